@@ -1,0 +1,13 @@
+"""Puts the repo root (the scripts) and this folder (probe_envs) on the import path."""
+
+import os
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+for path in (str(ROOT), str(TESTS)):
+    if path not in sys.path:
+        sys.path.insert(0, path)
+# Subprocess runs of the scripts find probe_envs the same way.
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), str(ROOT), os.environ.get("PYTHONPATH")]))

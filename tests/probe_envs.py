@@ -1,0 +1,151 @@
+"""Probe environments with known answers, for both scripts' tests.
+
+Each is a gymnax `Environment`, so the scripts load them with `--env-id probe_envs:Name` (with
+this folder on the Python path). Every probe comes in a vector form (obs shape (1,)) for
+`ppo_mlp.py` and an image form (obs shape (3, 3, 1)) for `ppo_lstm_impala.py`.
+
+- ConstantReward: one-step episodes, reward 1. The value must learn V = 1.
+- ObsDependentReward: one-step episodes, obs is +1 or -1 at random, reward = obs. V(obs) = obs.
+- ActionDependentReward: one-step episodes, reward +1 for action 0 and -1 for action 1. The policy
+  must pick action 0, and V -> 1.
+- TimeLimit: reward 1 every step, never terminates, truncated after 5 steps. With truncation
+  bootstrapping V = 1 / (1 - gamma) everywhere; without it the value is much lower.
+- Memory: a cue (one of NUM_CUES channels) is shown once, then DELAY blank frames, then a query
+  frame; naming the cue at the query pays 1, anything else 0. Only a policy with memory beats
+  chance (1 / NUM_CUES).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+from gymnax.environments import environment, spaces
+
+
+@struct.dataclass
+class ProbeState(environment.EnvState):
+    value: jax.Array  # what the observation shows (probe-specific)
+
+
+@struct.dataclass
+class ProbeParams(environment.EnvParams):
+    max_steps_in_episode: int = 1
+
+
+class _Probe(environment.Environment):
+    obs_shape: tuple[int, ...] = (1,)
+    num_actions_: int = 2
+    max_steps: int = 1
+
+    @property
+    def default_params(self) -> ProbeParams:
+        return ProbeParams(max_steps_in_episode=self.max_steps)
+
+    def action_space(self, params=None) -> spaces.Discrete:
+        return spaces.Discrete(self.num_actions_)
+
+    def observation_space(self, params=None) -> spaces.Box:
+        return spaces.Box(-1.0, 1.0, self.obs_shape, jnp.float32)
+
+    def obs(self, state: ProbeState) -> jax.Array:
+        return jnp.full(self.obs_shape, state.value, jnp.float32)
+
+    def initial_value(self, key: jax.Array) -> jax.Array:
+        return jnp.float32(0.0)
+
+    def reward(self, state: ProbeState, action: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+    def reset_env(self, key, params):
+        state = ProbeState(time=0, value=self.initial_value(key))
+        return self.obs(state), state
+
+    def step_env(self, key, state, action, params):
+        reward = self.reward(state, action)
+        new_state = ProbeState(time=state.time + 1, value=state.value)
+        terminated = self.is_terminated(new_state, params)
+        return self.obs(new_state), new_state, reward, terminated, {}
+
+    def is_terminated(self, state, params):
+        return jnp.bool_(True)
+
+
+class ConstantReward(_Probe):
+    def reward(self, state, action):
+        return jnp.float32(1.0)
+
+
+class ObsDependentReward(_Probe):
+    def initial_value(self, key):
+        return jnp.where(jax.random.bernoulli(key), 1.0, -1.0).astype(jnp.float32)
+
+    def reward(self, state, action):
+        return state.value
+
+
+class ActionDependentReward(_Probe):
+    def reward(self, state, action):
+        return jnp.where(action == 0, 1.0, -1.0).astype(jnp.float32)
+
+
+class TimeLimit(_Probe):
+    max_steps = 5
+
+    def reward(self, state, action):
+        return jnp.float32(1.0)
+
+    def is_terminated(self, state, params):
+        return jnp.bool_(False)
+
+
+class Memory(_Probe):
+    """value = cue index (0 .. NUM_CUES - 1); time counts the frames already shown."""
+
+    NUM_CUES = 2
+    DELAY = 4
+    obs_shape = (3, 3, NUM_CUES + 1)
+    num_actions_ = NUM_CUES
+    max_steps = DELAY + 2
+
+    def initial_value(self, key):
+        return jax.random.randint(key, (), 0, self.NUM_CUES).astype(jnp.float32)
+
+    def obs(self, state):
+        cue = jax.nn.one_hot(state.value.astype(jnp.int32), self.NUM_CUES) * (state.time == 0)
+        query = (state.time == self.DELAY + 1).astype(jnp.float32)[None]
+        channels = jnp.concatenate([cue, query])
+        return jnp.broadcast_to(channels, self.obs_shape).astype(jnp.float32)
+
+    def observation_space(self, params=None) -> spaces.Box:
+        return spaces.Box(0.0, 1.0, self.obs_shape, jnp.float32)
+
+    def reward(self, state, action):
+        at_query = state.time == self.DELAY + 1
+        return jnp.where(at_query & (action == state.value.astype(jnp.int32)), 1.0, 0.0).astype(jnp.float32)
+
+    def is_terminated(self, state, params):
+        return state.time >= self.DELAY + 2
+
+
+class ConstantRewardImage(ConstantReward):
+    obs_shape = (3, 3, 1)
+
+
+class ObsDependentRewardImage(ObsDependentReward):
+    obs_shape = (3, 3, 1)
+
+
+class ActionDependentRewardImage(ActionDependentReward):
+    obs_shape = (3, 3, 1)
+
+
+class TimeLimitImage(TimeLimit):
+    obs_shape = (3, 3, 1)
+
+
+class ContinuousActions(ConstantReward):
+    """For the bad-input tests: a continuous action space."""
+
+    def action_space(self, params=None) -> spaces.Box:
+        return spaces.Box(-1.0, 1.0, (1,), jnp.float32)
