@@ -1,0 +1,1240 @@
+"""PPO with an IMPALA CNN torso and an LSTM, for gymnax environments with (H, W, C) image
+observations (e.g. the MinAtar games) and discrete actions.
+
+One file, no package: copy it and own it. The whole training run (rollout, GAE, every epoch and
+minibatch, all seeds) is one `jax.jit` over `jax.lax.scan`; metrics leave it through a host
+callback, to the console, `RUN_DIR/metrics.jsonl` and (with `--track`) wandb.
+
+    python ppo_lstm_impala.py --env-id Breakout-MinAtar --num-seeds 5
+
+Sibling of ppo_mlp.py: `diff ppo_mlp.py ppo_lstm_impala.py` shows the network, the recurrent
+carry and how minibatches are cut (whole env sequences for BPTT, or single transitions with
+their stored LSTM carry).
+
+Sections: Args | environment | containers | network | algorithm | make_train | logging | main.
+"37 details" item numbers refer to Huang et al. (2022),
+https://iclr-blog-track.github.io/2022/03/25/ppo-implementation-details/
+"""
+
+from __future__ import annotations
+
+import os
+
+# jaxlib 0.10 on CPU can deadlock in executables with several batched QR factorizations (flax's
+# orthogonal init under vmap). This scheduler flag avoids it at full speed; it is a CPU-only flag
+# and does nothing on GPU. We only set it when the user has not set XLA_FLAGS themselves.
+if "XLA_FLAGS" not in os.environ:
+    os.environ["XLA_FLAGS"] = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+import dataclasses
+import datetime
+import difflib
+import importlib
+import json
+import math
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Literal, NamedTuple
+
+import distrax
+import flax.linen as nn
+import flax.serialization
+import gymnax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import tyro
+from gymnax.environments import spaces
+
+# ======================================================================================
+# Args
+# ======================================================================================
+
+
+@dataclasses.dataclass(frozen=True)
+class Args:
+    """PPO with an IMPALA CNN and an LSTM, for gymnax environments with image observations."""
+
+    # --- experiment -----------------------------------------------------------------
+    env_id: str = "Breakout-MinAtar"
+    """a gymnax id with (H, W, C) observations (e.g. Breakout-MinAtar, SpaceInvaders-MinAtar), or `module.path:Name` where Name is a gymnax
+    Environment subclass or a zero-argument factory returning (env, env_params)"""
+    exp_name: str = Path(__file__).stem
+    """name of this experiment, used in the default run dir and the wandb run name"""
+    seed: int = 1
+    """seed of the first run; seed i uses seed + i"""
+    num_seeds: int = 1
+    """independent seeds trained together in one compiled program (jax.vmap)"""
+    num_total_env_steps: int = 20_000_000
+    """environment steps per seed"""
+
+    # --- rollout (37 details: 1 vectorized env) ---------------------------------------
+    num_parallel_envs: int = 256
+    """parallel environments per seed"""
+    num_env_steps_per_cycle: int = 128
+    """steps each env takes per rollout; one cycle = one rollout + its update epochs"""
+    reset_envs_each_cycle: bool = False
+    """UED style: every cycle starts from freshly reset environments and zero LSTM carries;
+    episodes never span cycles"""
+    bootstrap_truncated: bool = True
+    """a truncated (time-limit) step bootstraps from V(final_observation); off: treated as a
+    termination, as in most older PPO code"""
+
+    # --- optimisation (37 details: 3 Adam eps, 4 LR annealing, 6 minibatches) --------
+    num_epochs_per_cycle: int = 5
+    """passes over the rollout per cycle (K epochs)"""
+    num_minibatches_per_epoch: int = 8
+    """minibatches each epoch is cut into (with bptt: groups of whole env sequences)"""
+    lr: float = 5e-5
+    """Adam learning rate"""
+    anneal_lr: bool = True
+    """anneal the learning rate linearly to exactly 0 at the run's last gradient step"""
+    adam_eps: float = 1e-5
+    """Adam epsilon (PyTorch's default is 1e-8; the PPO baselines use 1e-5)"""
+    max_grad_norm: float = 0.5
+    """clip gradients to this global norm (37 details: 11)"""
+
+    # --- loss (37 details: 5 GAE, 7 adv norm, 8 clipped objective, 9 value clipping, 10) --
+    gamma: float = 0.999
+    """discount factor"""
+    gae_lambda: float = 0.95
+    """GAE lambda"""
+    clip_eps: float = 0.1
+    """PPO clip range, also used for value clipping"""
+    anneal_clip_eps: bool = False
+    """anneal the clip range linearly to exactly 0 at the last gradient step"""
+    clip_vloss: bool = True
+    """clip the value loss around the rollout's values"""
+    norm_adv: bool = True
+    """normalize advantages per minibatch"""
+    ent_coef: float = 0.001
+    """entropy bonus coefficient"""
+    vf_coef: float = 0.5
+    """value loss coefficient"""
+    target_kl: float | None = None
+    """skip the rest of a cycle's updates once a minibatch's approxkl3 exceeds this"""
+
+    # --- network (37 details: 2 orthogonal init, 13 separate networks) ----------------
+    impala_channels: tuple[int, ...] = (16, 32, 32)
+    """channels of the IMPALA stages (conv, max-pool, two residual blocks each)"""
+    torso_size: int = 256
+    """width of the dense layer after the convolutions"""
+    lstm_size: int = 256
+    """LSTM width; 0: no LSTM, a purely feed-forward IMPALA network (IMPALA-FF)"""
+    lstm_training: Literal["bptt", "stored"] = "bptt"
+    """bptt: minibatches of whole env sequences, replayed from the rollout's first carry, with
+    gradients through time; stored: single transitions, each a one-step forward from the carry
+    stored during the rollout (no gradient through time, more memory)"""
+    separate_critic: bool = False
+    """the critic gets its own torso and LSTM, instead of sharing the actor's"""
+    frame_stack: int = 1
+    """stack the last K observations along the channel axis"""
+    orthogonal_init: bool = True
+    """orthogonal init (gain sqrt(2) convs and dense torso, 1.0 LSTM, 0.01 actor head, 1.0 critic
+    head, zero biases); off: flax's default init"""
+
+    # --- logging ----------------------------------------------------------------------
+    track: bool = False
+    """log to Weights & Biases"""
+    wandb_project: str = "ppo-jax"
+    """wandb project"""
+    wandb_entity: str | None = None
+    """wandb entity (team or user)"""
+    wandb_group: str | None = None
+    """wandb group"""
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"
+    """wandb mode; offline writes the run under RUN_DIR/wandb for a later `wandb sync`"""
+    run_dir: str | None = None
+    """output folder; default runs/<env>__<exp-name>__<seed>__<time>"""
+    log_every_cycles: int = 1
+    """write metrics every this many cycles (the last cycle is always written)"""
+
+    # --- derived ----------------------------------------------------------------------
+    @property
+    def batch_size(self) -> int:
+        """transitions per rollout, per seed"""
+        return self.num_parallel_envs * self.num_env_steps_per_cycle
+
+    @property
+    def minibatch_size(self) -> int:
+        return self.batch_size // self.num_minibatches_per_epoch
+
+    @property
+    def sequence_length(self) -> int:
+        """steps in each sequence the loss unrolls: the whole rollout for bptt, 1 for stored"""
+        return self.num_env_steps_per_cycle if self.lstm_training == "bptt" else 1
+
+    @property
+    def num_sequences(self) -> int:
+        """sequences per rollout, per seed; minibatches are cut along them"""
+        return self.batch_size // self.sequence_length
+
+    @property
+    def num_lstms(self) -> int:
+        return 2 if self.separate_critic else 1
+
+    @property
+    def carry_size(self) -> int:
+        """floats of recurrent state per env: (c, h) of each LSTM"""
+        return self.num_lstms * 2 * self.lstm_size
+
+    @property
+    def num_cycles(self) -> int:
+        return self.num_total_env_steps // self.batch_size
+
+    @property
+    def num_gradient_steps(self) -> int:
+        """nominal gradient steps in the whole run (target-KL may skip some)"""
+        return self.num_cycles * self.num_epochs_per_cycle * self.num_minibatches_per_epoch
+
+
+class ConfigError(ValueError):
+    """Bad user input. `main` prints it as one line and exits with code 2."""
+
+
+def validate_args(args: Args) -> None:
+    """Every check on the arguments, in one place, before anything is compiled or written."""
+    positive_ints = [
+        "num_seeds",
+        "num_total_env_steps",
+        "num_parallel_envs",
+        "num_env_steps_per_cycle",
+        "num_epochs_per_cycle",
+        "num_minibatches_per_epoch",
+        "log_every_cycles",
+        "torso_size",
+        "frame_stack",
+    ]
+    for name in positive_ints:
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"{flag(name)} must be a positive integer, got {getattr(args, name)}")
+    if args.seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
+    if args.lstm_training == "bptt" and args.num_parallel_envs % args.num_minibatches_per_epoch != 0:
+        raise ConfigError(
+            f"--lstm-training bptt cuts minibatches of whole env sequences, so --num-parallel-envs "
+            f"{args.num_parallel_envs} must be divisible by --num-minibatches-per-epoch "
+            f"{args.num_minibatches_per_epoch}"
+        )
+    if args.batch_size % args.num_minibatches_per_epoch != 0:
+        raise ConfigError(
+            f"--num-minibatches-per-epoch {args.num_minibatches_per_epoch} does not divide the "
+            f"batch of --num-parallel-envs x --num-env-steps-per-cycle = {args.batch_size}"
+        )
+    if args.num_cycles == 0:
+        raise ConfigError(
+            f"--num-total-env-steps {args.num_total_env_steps} is smaller than one cycle "
+            f"(--num-parallel-envs x --num-env-steps-per-cycle = {args.batch_size})"
+        )
+    for name in ["lr", "clip_eps", "max_grad_norm", "adam_eps"]:
+        if not getattr(args, name) > 0:
+            raise ConfigError(f"{flag(name)} must be > 0, got {getattr(args, name)}")
+    for name in ["ent_coef", "vf_coef"]:
+        if not getattr(args, name) >= 0:
+            raise ConfigError(f"{flag(name)} must be >= 0, got {getattr(args, name)}")
+    for name in ["gamma", "gae_lambda"]:
+        if not 0 <= getattr(args, name) <= 1:
+            raise ConfigError(f"{flag(name)} must be in [0, 1], got {getattr(args, name)}")
+    if args.target_kl is not None and not args.target_kl > 0:
+        raise ConfigError(f"--target-kl must be > 0 when set, got {args.target_kl}")
+    if not args.impala_channels or min(args.impala_channels) <= 0:
+        raise ConfigError(f"--impala-channels must be one or more positive integers, got {args.impala_channels}")
+    if args.lstm_size < 0:
+        raise ConfigError(f"--lstm-size must be >= 0 (0: no LSTM), got {args.lstm_size}")
+
+
+def flag(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+# ======================================================================================
+# Environment
+# ======================================================================================
+
+
+def make_env(env_id: str) -> tuple[Any, Any]:
+    """`env_id` is a gymnax id or `module.path:Name` (an Environment subclass, or a
+    zero-argument factory returning (env, env_params))."""
+    if ":" in env_id:
+        module_name, _, attr_name = env_id.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            raise ConfigError(f"--env-id {env_id}: cannot import module {module_name!r} ({error})")
+        if not hasattr(module, attr_name):
+            raise ConfigError(f"--env-id {env_id}: module {module_name!r} has no attribute {attr_name!r}")
+        target = getattr(module, attr_name)
+        if isinstance(target, type) and issubclass(target, gymnax.environments.environment.Environment):
+            env = target()
+            env_params = env.default_params
+        elif callable(target):
+            made = target()
+            if not (isinstance(made, tuple) and len(made) == 2):
+                raise ConfigError(f"--env-id {env_id}: the factory must return (env, env_params)")
+            env, env_params = made
+        else:
+            raise ConfigError(f"--env-id {env_id}: {attr_name!r} is neither an Environment class nor a factory")
+    else:
+        if env_id not in gymnax.registered_envs:
+            close = difflib.get_close_matches(env_id, gymnax.registered_envs, n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(close)}?" if close else "; see gymnax.registered_envs"
+            raise ConfigError(f"--env-id {env_id} is not a gymnax environment{hint}")
+        env, env_params = gymnax.make(env_id)
+    action_space = env.action_space(env_params)
+    if not isinstance(action_space, spaces.Discrete):
+        raise ConfigError(
+            f"--env-id {env_id} has a {type(action_space).__name__} action space; "
+            f"{Path(__file__).name} supports discrete actions only"
+        )
+    obs_shape = tuple(env.observation_space(env_params).shape)
+    if len(obs_shape) != 3:
+        raise ConfigError(
+            f"--env-id {env_id} has observations of shape {obs_shape}; {Path(__file__).name} "
+            f"needs (H, W, C) images, use ppo_mlp.py"
+        )
+    return env, env_params
+
+
+def stacked_obs_shape(env: Any, env_params: Any, frame_stack: int) -> tuple[int, ...]:
+    height, width, channels = env.observation_space(env_params).shape
+    return (height, width, channels * frame_stack)
+
+
+def push_frame(stack: jax.Array, frame: jax.Array, episode_start: jax.Array) -> jax.Array:
+    """stack (N, H, W, C * K), frame (N, H, W, C) -> the new stack, newest frame last.
+
+    Convention: at an episode start the stack is zeros except the newest frame (no frames from
+    the previous episode leak in)."""
+    channels = frame.shape[-1]
+    older = stack[..., channels:]  # drops the oldest frame; empty when K = 1
+    older = jnp.where(episode_start[:, None, None, None], jnp.zeros_like(older), older)
+    return jnp.concatenate([older, frame.astype(jnp.float32)], axis=-1)
+
+
+# ======================================================================================
+# Containers
+# ======================================================================================
+
+
+class Transition(NamedTuple):
+    """One rollout, time-major: every field is (T, N, ...).
+
+    Convention: `done[t] = terminated[t] | truncated[t]` means obs[t+1] starts a new episode;
+    the LSTM carry is reset to zeros before the cell sees obs[t+1]. The flag travels into the
+    forward pass as `episode_start[t+1] = done[t]`; nothing is reset inside the env.
+    `final_obs[t]` is the observation the step produced before the automatic reset; when the
+    episode goes on it equals obs[t+1]. Truncation bootstraps from V(final_obs), computed with
+    the carry after obs[t] (never a reset carry); termination does not bootstrap.
+    Observations are frame-stacked (H, W, C * frame_stack).
+    """
+
+    obs: jax.Array  # (T, N, *obs_shape)
+    episode_start: jax.Array  # (T, N) bool: done[t - 1], the carry is reset before obs[t]
+    carry: jax.Array  # (T, N, carry_size) after the reset, with --lstm-training stored; else (T, N, 0)
+    action: jax.Array  # (T, N)
+    reward: jax.Array  # (T, N)
+    terminated: jax.Array  # (T, N) bool
+    truncated: jax.Array  # (T, N) bool
+    final_obs: jax.Array  # (T, N, *obs_shape)
+
+
+class Batch(NamedTuple):
+    """Training data of one cycle, cut into sequences: every field but `carry` is (L, S, ...)
+    with sequence length L and S sequences, L * S = T * N. bptt: L = T, S = N (whole env
+    sequences, `carry` is each env's carry at the start of the rollout). stored: L = 1, S = T * N
+    (single transitions, `carry` is the one stored at that step, after its reset)."""
+
+    obs: jax.Array
+    episode_start: jax.Array  # (L, S) bool
+    carry: jax.Array  # (S, carry_size)
+    action: jax.Array
+    logp: jax.Array
+    value: jax.Array
+    advantage: jax.Array
+    target: jax.Array  # GAE return, the value target
+
+
+class EnvCarry(NamedTuple):
+    """What the environments carry from one cycle to the next, per seed."""
+
+    env_state: Any
+    obs: jax.Array  # (N, H, W, C * frame_stack) the frame stack
+    episode_start: jax.Array  # (N,) bool: obs is the first of an episode (the previous step's done)
+    lstm_carry: jax.Array  # (N, carry_size) before its reset by episode_start
+    episode_return: jax.Array  # (N,) running return of the unfinished episode
+    episode_length: jax.Array  # (N,)
+
+
+class TrainState(NamedTuple):
+    """Everything the train loop carries, per seed."""
+
+    params: Any
+    opt_state: Any
+    env: EnvCarry
+    key: jax.Array
+    cycle: jax.Array  # cycles completed
+
+
+# ======================================================================================
+# Network
+# ======================================================================================
+
+HIDDEN_GAIN = math.sqrt(2.0)  # 37 details: 2; convs and the dense torso layer
+LSTM_GAIN = 1.0  # input and recurrent kernels of the LSTM
+ACTOR_HEAD_GAIN = 0.01  # near-uniform initial policy
+CRITIC_HEAD_GAIN = 1.0
+CONV_KERNEL = (3, 3)  # IMPALA (Espeholt et al. 2018, fig. 3): every conv is 3x3, stride 1
+POOL_WINDOW = (3, 3)
+POOL_STRIDES = (2, 2)
+NUM_RESIDUAL_BLOCKS = 2  # per IMPALA stage
+
+
+def init_kwargs(gain: float, orthogonal_init: bool) -> dict[str, Any]:
+    if orthogonal_init:
+        return {"kernel_init": nn.initializers.orthogonal(gain), "bias_init": nn.initializers.zeros}
+    return {}
+
+
+def dense(features: int, gain: float, orthogonal_init: bool) -> nn.Dense:
+    return nn.Dense(features, **init_kwargs(gain, orthogonal_init))
+
+
+def conv(features: int, orthogonal_init: bool) -> nn.Conv:
+    return nn.Conv(features, CONV_KERNEL, padding="SAME", **init_kwargs(HIDDEN_GAIN, orthogonal_init))
+
+
+class ResidualBlock(nn.Module):
+    channels: int
+    orthogonal_init: bool
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = conv(self.channels, self.orthogonal_init)(nn.relu(x))
+        y = conv(self.channels, self.orthogonal_init)(nn.relu(y))
+        return x + y
+
+
+class ImpalaTorso(nn.Module):
+    """IMPALA CNN: per stage a conv, a 3x3 stride-2 max-pool and two residual blocks; then relu,
+    flatten and a dense relu layer."""
+
+    impala_channels: tuple[int, ...]
+    torso_size: int
+    orthogonal_init: bool
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x (B, H, W, C) -> (B, torso_size)"""
+        for channels in self.impala_channels:
+            x = conv(channels, self.orthogonal_init)(x)
+            x = nn.max_pool(x, POOL_WINDOW, strides=POOL_STRIDES, padding="SAME")
+            for _ in range(NUM_RESIDUAL_BLOCKS):
+                x = ResidualBlock(channels, self.orthogonal_init)(x)
+        x = nn.relu(x).reshape(x.shape[0], -1)
+        return nn.relu(dense(self.torso_size, HIDDEN_GAIN, self.orthogonal_init)(x))
+
+
+def reset_carry(carry: jax.Array, episode_start: jax.Array) -> jax.Array:
+    """carry (B, S), episode_start (B,): zeros where an episode starts (the initial carry)."""
+    return jnp.where(episode_start[:, None], jnp.zeros_like(carry), carry)
+
+
+class ResettingLSTM(nn.Module):
+    """One LSTM step: zero the carry where an episode starts, then the cell. The carry is one
+    array (B, 2 * lstm_size), c then h."""
+
+    lstm_size: int
+    orthogonal_init: bool
+
+    @nn.compact
+    def __call__(self, carry: jax.Array, inputs: tuple[jax.Array, jax.Array]):
+        features, episode_start = inputs  # (B, F), (B,)
+        cell_carry = jnp.split(reset_carry(carry, episode_start), 2, axis=-1)
+        init = {}
+        if self.orthogonal_init:
+            orthogonal = nn.initializers.orthogonal(LSTM_GAIN)
+            init = {"kernel_init": orthogonal, "recurrent_kernel_init": orthogonal, "bias_init": nn.initializers.zeros}
+        (c, h), output = nn.OptimizedLSTMCell(self.lstm_size, **init)(cell_carry, features)
+        new_carry = jnp.concatenate([c, h], axis=-1)
+        return new_carry, (new_carry, output)
+
+
+class Core(nn.Module):
+    """IMPALA torso, then (unless lstm_size is 0) an LSTM scanned over time."""
+
+    impala_channels: tuple[int, ...]
+    torso_size: int
+    lstm_size: int
+    orthogonal_init: bool
+
+    @nn.compact
+    def __call__(self, carry: jax.Array, obs: jax.Array, episode_start: jax.Array):
+        """carry (B, 2 * lstm_size), obs (T, B, H, W, C), episode_start (T, B) ->
+        carry after each step (T, B, 2 * lstm_size), features (T, B, F)"""
+        num_steps, num_sequences = obs.shape[:2]
+        flat_obs = obs.reshape(num_steps * num_sequences, *obs.shape[2:]).astype(jnp.float32)
+        features = ImpalaTorso(self.impala_channels, self.torso_size, self.orthogonal_init)(flat_obs)
+        features = features.reshape(num_steps, num_sequences, -1)  # the torso runs batched over T
+        if self.lstm_size == 0:  # IMPALA-FF: an empty carry
+            return jnp.zeros((num_steps, num_sequences, 0), jnp.float32), features
+        scanned_lstm = nn.scan(ResettingLSTM, variable_broadcast="params", split_rngs={"params": False})
+        _, (carries, features) = scanned_lstm(self.lstm_size, self.orthogonal_init)(carry, (features, episode_start))
+        return carries, features
+
+
+class ActorCritic(nn.Module):
+    """A shared IMPALA torso and LSTM with actor and critic heads, or a separate torso and LSTM
+    for the critic (37 details: 13)."""
+
+    num_actions: int
+    impala_channels: tuple[int, ...]
+    torso_size: int
+    lstm_size: int
+    orthogonal_init: bool
+    separate_critic: bool
+
+    def setup(self):
+        core = lambda: Core(self.impala_channels, self.torso_size, self.lstm_size, self.orthogonal_init)  # noqa: E731
+        self.actor_core = core()
+        self.critic_core = core() if self.separate_critic else self.actor_core
+        self.actor_head = dense(self.num_actions, ACTOR_HEAD_GAIN, self.orthogonal_init)
+        self.critic_head = dense(1, CRITIC_HEAD_GAIN, self.orthogonal_init)
+
+    def __call__(self, carry: jax.Array, obs: jax.Array, episode_start: jax.Array):
+        """carry (B, carry_size) before the first step's reset, obs (T, B, *obs_shape),
+        episode_start (T, B) -> carry after each step (T, B, carry_size), logits (T, B, A),
+        value (T, B)"""
+        if not self.separate_critic:
+            carries, features = self.actor_core(carry, obs, episode_start)
+            return carries, self.actor_head(features), self.critic_head(features)[..., 0]
+        actor_carry, critic_carry = jnp.split(carry, 2, axis=-1)
+        actor_carries, actor_features = self.actor_core(actor_carry, obs, episode_start)
+        critic_carries, critic_features = self.critic_core(critic_carry, obs, episode_start)
+        carries = jnp.concatenate([actor_carries, critic_carries], axis=-1)
+        return carries, self.actor_head(actor_features), self.critic_head(critic_features)[..., 0]
+
+
+def make_network(args: Args, num_actions: int) -> ActorCritic:
+    return ActorCritic(
+        num_actions=num_actions,
+        impala_channels=tuple(args.impala_channels),
+        torso_size=args.torso_size,
+        lstm_size=args.lstm_size,
+        orthogonal_init=args.orthogonal_init,
+        separate_critic=args.separate_critic,
+    )
+
+
+def init_params(network: ActorCritic, key: jax.Array, args: Args, obs_shape: tuple[int, ...]) -> Any:
+    """Parameters of one seed (never vmap this: batched QR, see the XLA_FLAGS note)."""
+    carry = jnp.zeros((1, args.carry_size), jnp.float32)
+    return network.init(key, carry, jnp.zeros((1, 1, *obs_shape), jnp.float32), jnp.zeros((1, 1), bool))
+
+
+# ======================================================================================
+# Algorithm: pure functions
+# ======================================================================================
+
+
+def linear_schedule(start: float, step: jax.Array, num_steps: int) -> jax.Array:
+    """`start` at step 0, falling linearly to exactly 0 at step num_steps - 1, never below."""
+    fraction = 1.0 - step / max(num_steps - 1, 1)
+    return start * jnp.clip(fraction, 0.0, 1.0)
+
+
+def collect_rollout(
+    params: Any,
+    env_carry: EnvCarry,
+    key: jax.Array,
+    network: ActorCritic,
+    env: Any,
+    env_params: Any,
+    num_steps: int,
+    store_carries: bool,
+) -> tuple[EnvCarry, Transition, jax.Array, jax.Array]:
+    """Steps N envs for T steps with the current policy, carrying the LSTM state.
+
+    Returns the new carry, the transitions, and per step the return and length of episodes that
+    ended there (NaN where none ended). Random numbers for the whole rollout are drawn up front,
+    in one batched call each, so the sequential loop does only the policy, the env and the sampling.
+    With store_carries, each step's LSTM carry (after its reset) is kept for --lstm-training stored.
+    """
+    num_envs = env_carry.obs.shape[0]
+    num_actions = env.action_space(env_params).n
+    gumbel_key, env_key = jax.random.split(key)
+    gumbel = jax.random.gumbel(gumbel_key, (num_steps, num_envs, num_actions))  # (T, N, A)
+    env_keys = jax.random.split(env_key, num_steps * num_envs).reshape(num_steps, num_envs)
+
+    def step(carry: EnvCarry, step_input):
+        step_gumbel, step_keys = step_input
+        lstm_carries, logits, _ = network.apply(
+            params, carry.lstm_carry, carry.obs[None], carry.episode_start[None]
+        )  # one step: (1, N, ...)
+        action = jnp.argmax(logits[0] + step_gumbel, axis=-1)  # Gumbel-max = categorical sample
+        next_frame, env_state, reward, terminated, truncated, info = jax.vmap(
+            env.step, in_axes=(0, 0, 0, None)
+        )(step_keys, carry.env_state, action, env_params)
+        done = jnp.logical_or(terminated, truncated)
+        next_obs = push_frame(carry.obs, next_frame, done)
+        # The stack the step produced, before the reset: the same history, its own last frame.
+        final_obs = push_frame(carry.obs, info["final_observation"], jnp.zeros_like(done))
+        episode_return = carry.episode_return + reward
+        episode_length = carry.episode_length + 1
+        finished_return = jnp.where(done, episode_return, jnp.nan)
+        finished_length = jnp.where(done, episode_length, jnp.nan)
+        new_carry = EnvCarry(
+            env_state=env_state,
+            obs=next_obs,
+            episode_start=done,  # the reset itself happens in the next forward pass
+            lstm_carry=lstm_carries[0],
+            episode_return=jnp.where(done, 0.0, episode_return),
+            episode_length=jnp.where(done, 0, episode_length),
+        )
+        stored_carry = (
+            reset_carry(carry.lstm_carry, carry.episode_start) if store_carries else carry.lstm_carry[:, :0]
+        )
+        transition = Transition(
+            obs=carry.obs,
+            episode_start=carry.episode_start,
+            carry=stored_carry,
+            action=action,
+            reward=reward.astype(jnp.float32),
+            terminated=terminated,
+            truncated=truncated,
+            final_obs=final_obs,
+        )
+        return new_carry, (transition, finished_return, finished_length)
+
+    env_carry, (transitions, finished_return, finished_length) = jax.lax.scan(
+        step, env_carry, (gumbel, env_keys)
+    )
+    return env_carry, transitions, finished_return, finished_length
+
+
+def compute_gae(
+    reward: jax.Array,
+    value: jax.Array,
+    next_value: jax.Array,
+    terminated: jax.Array,
+    done: jax.Array,
+    gamma: float,
+    gae_lambda: float,
+) -> tuple[jax.Array, jax.Array]:
+    """GAE over (T, N) arrays (37 details: 5). Returns advantages and value targets.
+
+    next_value[t] is V of the observation that step t produced, before any reset: it is
+    bootstrapped unless the episode terminated. The advantage recursion stops at every episode
+    end, terminated or truncated. The last step of the rollout bootstraps the same way.
+    """
+    delta = reward + gamma * next_value * (1.0 - terminated) - value
+
+    def backward(next_advantage, step):
+        delta_t, done_t = step
+        advantage = delta_t + gamma * gae_lambda * (1.0 - done_t) * next_advantage
+        return advantage, advantage
+
+    _, advantage = jax.lax.scan(
+        backward, jnp.zeros_like(delta[0]), (delta, done.astype(jnp.float32)), reverse=True
+    )
+    return advantage, advantage + value
+
+
+def ppo_loss_terms(
+    new_logp: jax.Array,
+    entropy: jax.Array,
+    new_value: jax.Array,
+    batch: Batch,
+    clip_eps: jax.Array,
+    clip_vloss: bool,
+    norm_adv: bool,
+) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
+    """Clipped surrogate and value losses on one minibatch (37 details: 7, 8, 9).
+
+    Returns (policy_loss, value_loss, metrics); the total is
+    policy_loss - ent_coef * entropy + vf_coef * value_loss.
+    """
+    advantage = batch.advantage
+    if norm_adv:
+        advantage = (advantage - advantage.mean()) / (advantage.std() + 1e-8)
+    logratio = new_logp - batch.logp
+    ratio = jnp.exp(logratio)
+    surrogate = ratio * advantage
+    clipped_surrogate = jnp.clip(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantage
+    policy_loss = -jnp.minimum(surrogate, clipped_surrogate).mean()
+
+    value_change = new_value - batch.value
+    unclipped_value_loss = (new_value - batch.target) ** 2
+    if clip_vloss:
+        clipped_value = batch.value + jnp.clip(value_change, -clip_eps, clip_eps)
+        value_loss = 0.5 * jnp.maximum(unclipped_value_loss, (clipped_value - batch.target) ** 2).mean()
+    else:
+        value_loss = 0.5 * unclipped_value_loss.mean()
+
+    metrics = {
+        "losses/policy_loss": policy_loss,
+        "losses/value_loss": value_loss,
+        "losses/entropy": entropy.mean(),
+        "losses/actor_clipfrac": (jnp.abs(ratio - 1.0) > clip_eps).mean(),
+        "losses/critic_clipfrac": (jnp.abs(value_change) > clip_eps).mean(),
+        "losses/actor_approxkl1": (-logratio).mean(),
+        "losses/actor_approxkl3": ((ratio - 1.0) - logratio).mean(),
+    }
+    return policy_loss, value_loss, metrics
+
+
+def loss_fn(params: Any, batch: Batch, clip_eps: jax.Array, network: ActorCritic, args: Args):
+    # bptt: replays whole sequences from their first carry with the rollout's resets (gradients
+    # flow through time); stored: a one-step forward from each transition's stored carry.
+    _, logits, new_value = network.apply(params, batch.carry, batch.obs, batch.episode_start)
+    distribution = distrax.Categorical(logits=logits)
+    new_logp = distribution.log_prob(batch.action)
+    entropy = distribution.entropy()
+    policy_loss, value_loss, metrics = ppo_loss_terms(
+        new_logp, entropy, new_value, batch, clip_eps, args.clip_vloss, args.norm_adv
+    )
+    total = policy_loss - args.ent_coef * entropy.mean() + args.vf_coef * value_loss
+    return total, metrics
+
+
+def epoch_permutation(key: jax.Array, num_sequences: int) -> jax.Array:
+    """A fresh shuffle of the sequences for each epoch of each cycle (keys are never reused)."""
+    return jax.random.permutation(key, num_sequences)
+
+
+def split_sequences(x: jax.Array, axis: int, num_minibatches: int) -> jax.Array:
+    """Cuts the sequence axis (0 for `carry`, 1 for every other Batch field) into
+    num_minibatches groups: (..., S, ...) -> (M, ..., S / M, ...)."""
+    x = jnp.moveaxis(x, axis, 0)
+    x = x.reshape(num_minibatches, x.shape[0] // num_minibatches, *x.shape[1:])
+    return jnp.moveaxis(x, 1, axis + 1)
+
+
+def merge_sequences(x: jax.Array, axis: int) -> jax.Array:
+    """The inverse of split_sequences."""
+    x = jnp.moveaxis(x, axis + 1, 1)
+    x = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+    return jnp.moveaxis(x, 0, axis)
+
+
+def cut_minibatches(batch: Batch, permutation: jax.Array, num_minibatches: int) -> Batch:
+    """Shuffled minibatches (M, L, S / M, ...) of whole sequences; `carry` (M, S / M, C)."""
+    return Batch(
+        *(
+            split_sequences(jnp.take(x, permutation, axis=axis), axis, num_minibatches)
+            for x, axis in zip(batch, sequence_axes(batch))
+        )
+    )
+
+
+def sequence_axes(batch: Batch) -> Batch:
+    return Batch(*(0 if name == "carry" else 1 for name in Batch._fields))
+
+
+def forward_in_minibatches(
+    params: Any, carry: jax.Array, obs: jax.Array, episode_start: jax.Array, network: ActorCritic, num_minibatches: int
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The loss's forward pass over all S sequences, one minibatch-sized group at a time:
+    carry (S, C), obs (L, S, ...), episode_start (L, S) -> carries (L, S, C), logits (L, S, A),
+    value (L, S). Same shapes and function as in loss_fn, so the first minibatch's ratio is 1.0
+    exactly, as in ppo_mlp.py; it also bounds the memory of the pass."""
+    groups = (
+        split_sequences(carry, 0, num_minibatches),
+        split_sequences(obs, 1, num_minibatches),
+        split_sequences(episode_start, 1, num_minibatches),
+    )
+    carries, logits, value = jax.lax.map(lambda group: network.apply(params, *group), groups)
+    return merge_sequences(carries, 1), merge_sequences(logits, 1), merge_sequences(value, 1)
+
+
+def make_optimizer(args: Args) -> optax.GradientTransformation:
+    """Global-norm clipping (37 details: 11), then Adam's direction. The learning rate is applied
+    by the caller, from our own schedule (optax.inject_hyperparams cost 25% of an update on CPU)."""
+    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.scale_by_adam(eps=args.adam_eps))
+
+
+def update_cycle(
+    params: Any,
+    opt_state: Any,
+    batch: Batch,
+    key: jax.Array,
+    cycle: jax.Array,
+    network: ActorCritic,
+    optimizer: optax.GradientTransformation,
+    args: Args,
+) -> tuple[Any, Any, dict[str, jax.Array]]:
+    """K epochs of M minibatch updates on one rollout.
+
+    With --target-kl, a minibatch whose approxkl3 (measured before its update) exceeds the target
+    is not applied, and every later minibatch of the cycle is skipped. Metrics are means over
+    the minibatches actually applied.
+    """
+    num_epochs, num_minibatches = args.num_epochs_per_cycle, args.num_minibatches_per_epoch
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def minibatch_update(carry, minibatch_input):
+        params, opt_state, stopped, metric_sums, num_applied = carry
+        minibatch, gradient_step = minibatch_input
+        learning_rate = linear_schedule(args.lr, gradient_step, args.num_gradient_steps) if args.anneal_lr else jnp.float32(args.lr)
+        clip_eps = (
+            linear_schedule(args.clip_eps, gradient_step, args.num_gradient_steps)
+            if args.anneal_clip_eps
+            else jnp.float32(args.clip_eps)
+        )
+
+        def apply_update(_):
+            (_, metrics), grads = grad_fn(params, minibatch, clip_eps, network, args)
+            metrics["losses/grad_norm"] = optax.global_norm(grads)  # before clipping
+            direction, new_opt_state = optimizer.update(grads, opt_state, params)
+            new_params = jax.tree.map(lambda param, step: param - learning_rate * step, params, direction)
+            if args.target_kl is None:
+                return new_params, new_opt_state, jnp.bool_(False), metrics
+            exceeded = metrics["losses/actor_approxkl3"] > args.target_kl
+            keep_old = lambda old, new: jnp.where(exceeded, old, new)  # noqa: E731
+            return (
+                jax.tree.map(keep_old, params, new_params),
+                jax.tree.map(keep_old, opt_state, new_opt_state),
+                exceeded,
+                metrics,
+            )
+
+        if args.target_kl is None:
+            params, opt_state, _, metrics = apply_update(None)
+            applied = jnp.float32(1.0)
+        else:
+            zero_metrics = jax.tree.map(jnp.zeros_like, metric_sums)
+
+            def skip(_):
+                return params, opt_state, jnp.bool_(True), zero_metrics
+
+            params, opt_state, exceeded, metrics = jax.lax.cond(stopped, skip, apply_update, None)
+            applied = jnp.logical_not(jnp.logical_or(stopped, exceeded)).astype(jnp.float32)
+            stopped = jnp.logical_or(stopped, exceeded)
+        metric_sums = jax.tree.map(lambda total, value: total + applied * value, metric_sums, metrics)
+        return (params, opt_state, stopped, metric_sums, num_applied + applied), None
+
+    def epoch(carry, epoch_input):
+        epoch_key, epoch_index = epoch_input
+        permutation = epoch_permutation(epoch_key, args.num_sequences)
+        minibatches = cut_minibatches(batch, permutation, num_minibatches)
+        first_step = (cycle * num_epochs + epoch_index) * num_minibatches
+        gradient_steps = first_step + jnp.arange(num_minibatches)
+        return jax.lax.scan(minibatch_update, carry, (minibatches, gradient_steps))[0], None
+
+    metric_sums = {name: jnp.float32(0.0) for name in MINIBATCH_METRIC_NAMES}
+    carry = (params, opt_state, jnp.bool_(False), metric_sums, jnp.float32(0.0))
+    epoch_keys = jax.random.split(key, num_epochs)
+    (params, opt_state, _, metric_sums, num_applied), _ = jax.lax.scan(
+        epoch, carry, (epoch_keys, jnp.arange(num_epochs))
+    )
+    metrics = {name: total / jnp.maximum(num_applied, 1.0) for name, total in metric_sums.items()}
+    metrics["losses/epochs_run"] = num_applied / num_minibatches
+    return params, opt_state, metrics
+
+
+# Metrics averaged over every minibatch applied in a cycle, and everything logged per cycle
+# (charts/SPS is added on the host).
+MINIBATCH_METRIC_NAMES = (
+    "losses/policy_loss",
+    "losses/value_loss",
+    "losses/entropy",
+    "losses/actor_clipfrac",
+    "losses/critic_clipfrac",
+    "losses/actor_approxkl1",
+    "losses/actor_approxkl3",
+    "losses/grad_norm",
+)
+METRIC_NAMES = (
+    "charts/episodic_return",
+    "charts/episodic_length",
+    "charts/learning_rate",
+    "charts/clip_eps",
+    *MINIBATCH_METRIC_NAMES,
+    "losses/explained_variance",
+    "losses/epochs_run",
+)
+
+
+def explained_variance(prediction: jax.Array, target: jax.Array) -> jax.Array:
+    """1 - Var(target - prediction) / Var(target); NaN when the target is constant."""
+    target_variance = jnp.var(target)
+    return jnp.where(target_variance == 0, jnp.nan, 1.0 - jnp.var(target - prediction) / target_variance)
+
+
+def nanmean_or_nan(x: jax.Array) -> jax.Array:
+    """Mean over the non-NaN entries (finished episodes only); NaN when there are none."""
+    count = jnp.sum(~jnp.isnan(x))
+    return jnp.where(count > 0, jnp.nansum(x) / jnp.maximum(count, 1), jnp.nan)
+
+
+# ======================================================================================
+# make_train
+# ======================================================================================
+
+
+def reset_envs(key: jax.Array, env: Any, env_params: Any, args: Args) -> EnvCarry:
+    """Fresh episodes in every env, a fresh frame stack and zero LSTM carries."""
+    num_envs = args.num_parallel_envs
+    frame, env_state = jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(key, num_envs), env_params)
+    starts = jnp.ones((num_envs,), bool)
+    stack = jnp.zeros((num_envs, *stacked_obs_shape(env, env_params, args.frame_stack)), jnp.float32)
+    lstm_carry = jnp.zeros((num_envs, args.carry_size), jnp.float32)
+    zeros = jnp.zeros((num_envs,), jnp.float32)
+    return EnvCarry(env_state, push_frame(stack, frame, starts), starts, lstm_carry, zeros, jnp.zeros((num_envs,), jnp.int32))
+
+
+def make_train(args: Args, env: Any, env_params: Any):
+    """Returns (init, train).
+
+    init(seed) -> TrainState for one seed, in Python, one seed at a time: parameter init is never
+    vmapped, which keeps batched QR factorizations out of the program (see the XLA_FLAGS note).
+    train(states, log_fn) runs every cycle for a stack of seeds; it is meant to be jitted.
+    """
+    network = make_network(args, env.action_space(env_params).n)
+    optimizer = make_optimizer(args)
+    obs_shape = stacked_obs_shape(env, env_params, args.frame_stack)
+
+    @jax.jit
+    def init_one(key: jax.Array) -> TrainState:
+        key, params_key, env_key = jax.random.split(key, 3)
+        params = init_params(network, params_key, args, obs_shape)
+        env_carry = reset_envs(env_key, env, env_params, args)
+        return TrainState(params, optimizer.init(params), env_carry, key, jnp.int32(0))
+
+    def init(seed: int) -> TrainState:
+        return init_one(jax.random.key(seed))
+
+    def train_cycle(state: TrainState) -> tuple[TrainState, dict[str, jax.Array]]:
+        key, reset_key, rollout_key, update_key = jax.random.split(state.key, 4)
+        env_carry = state.env
+        if args.reset_envs_each_cycle:
+            env_carry = reset_envs(reset_key, env, env_params, args)
+        first_carry = env_carry.lstm_carry  # (N, C) before the first step's reset
+
+        env_carry, transitions, finished_return, finished_length = collect_rollout(
+            state.params,
+            env_carry,
+            rollout_key,
+            network,
+            env,
+            env_params,
+            args.num_env_steps_per_cycle,
+            store_carries=args.lstm_training == "stored",
+        )
+
+        # Cut the rollout into the sequences the loss unrolls: (L, S, ...), L * S = T * N.
+        num_steps, num_envs = transitions.action.shape
+        sequence_shape = (args.sequence_length, args.num_sequences)
+        to_sequences = lambda x: x.reshape(*sequence_shape, *x.shape[2:])  # noqa: E731
+        if args.lstm_training == "bptt":
+            sequence_carry, sequence_start = first_carry, transitions.episode_start
+        else:  # the stored carries are already reset
+            sequence_carry = transitions.carry.reshape(num_steps * num_envs, args.carry_size)
+            sequence_start = jnp.zeros(sequence_shape, bool)
+
+        # Log-probs and values from the loss's own forward pass (not the rollout's), so that the
+        # first minibatch reproduces them exactly.
+        carries, logits, value = forward_in_minibatches(
+            state.params, sequence_carry, to_sequences(transitions.obs), sequence_start, network, args.num_minibatches_per_epoch
+        )
+        logp = distrax.Categorical(logits=logits).log_prob(to_sequences(transitions.action))
+        # V(final_obs[t]) from the carry after obs[t], before any reset (a reset carry would
+        # bootstrap a truncated episode from the wrong state).
+        _, _, next_value = forward_in_minibatches(
+            state.params,
+            carries.reshape(num_steps * num_envs, args.carry_size),
+            transitions.final_obs.reshape(1, num_steps * num_envs, *obs_shape),
+            jnp.zeros((1, num_steps * num_envs), bool),
+            network,
+            args.num_minibatches_per_epoch,
+        )
+
+        done = jnp.logical_or(transitions.terminated, transitions.truncated)
+        bootstrap_stops = transitions.terminated if args.bootstrap_truncated else done
+        advantage, target = compute_gae(
+            transitions.reward,
+            value.reshape(num_steps, num_envs),
+            next_value.reshape(num_steps, num_envs),
+            bootstrap_stops.astype(jnp.float32),
+            done,
+            args.gamma,
+            args.gae_lambda,
+        )
+        batch = Batch(
+            obs=to_sequences(transitions.obs),
+            episode_start=sequence_start,
+            carry=sequence_carry,
+            action=to_sequences(transitions.action),
+            logp=logp,
+            value=value,
+            advantage=to_sequences(advantage),
+            target=to_sequences(target),
+        )
+        params, opt_state, metrics = update_cycle(
+            state.params, state.opt_state, batch, update_key, state.cycle, network, optimizer, args
+        )
+        last_step = (state.cycle + 1) * args.num_epochs_per_cycle * args.num_minibatches_per_epoch - 1
+        metrics["charts/episodic_return"] = nanmean_or_nan(finished_return)
+        metrics["charts/episodic_length"] = nanmean_or_nan(finished_length)
+        metrics["charts/learning_rate"] = (
+            linear_schedule(args.lr, last_step, args.num_gradient_steps) if args.anneal_lr else jnp.float32(args.lr)
+        )
+        metrics["charts/clip_eps"] = (
+            linear_schedule(args.clip_eps, last_step, args.num_gradient_steps)
+            if args.anneal_clip_eps
+            else jnp.float32(args.clip_eps)
+        )
+        metrics["losses/explained_variance"] = explained_variance(batch.value, batch.target)
+        new_state = TrainState(params, opt_state, env_carry, key, state.cycle + 1)
+        return new_state, metrics
+
+    def train_cycle_each_seed(states: TrainState) -> tuple[TrainState, dict[str, jax.Array]]:
+        if args.num_seeds == 1:
+            # vmap over a size-1 axis turns every matmul into a batched one, which XLA:CPU
+            # runs 60% slower here; one seed runs unbatched.
+            state, metrics = train_cycle(jax.tree.map(lambda x: x[0], states))
+            return jax.tree.map(lambda x: x[None], (state, metrics))
+        return jax.vmap(train_cycle)(states)
+
+    def train(states: TrainState, log_fn: Callable | None = None):
+        """states: TrainState with a leading seed axis. Returns final states and per-cycle
+        metrics, each (num_cycles, num_seeds)."""
+
+        def cycle_body(states, _):
+            states, metrics = train_cycle_each_seed(states)
+            if log_fn is not None:
+                cycle = states.cycle[0]
+                should_log = jnp.logical_or(cycle % args.log_every_cycles == 0, cycle == args.num_cycles)
+                # One stacked array, not a dict: each callback argument costs ~25 us on CPU.
+                values = jnp.stack([metrics[name] for name in METRIC_NAMES])  # (metrics, seeds)
+                jax.lax.cond(
+                    should_log,
+                    lambda: jax.debug.callback(log_fn, cycle, values, ordered=True),
+                    lambda: None,
+                )
+            return states, metrics
+
+        return jax.lax.scan(cycle_body, states, None, length=args.num_cycles)
+
+    return init, train
+
+
+def stack_seeds(trees: list[Any]) -> Any:
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+
+
+# ======================================================================================
+# Logging
+# ======================================================================================
+
+
+class MetricsLogger:
+    """Host side of the metrics callback: metrics.jsonl, a console line and wandb."""
+
+    def __init__(self, args: Args, run_dir: Path, wandb_run: Any | None):
+        self.args = args
+        self.seeds = [args.seed + i for i in range(args.num_seeds)]
+        self.file = open(run_dir / "metrics.jsonl", "a")
+        self.wandb_run = wandb_run
+        self.last_time: float | None = None
+        self.last_cycle = 0
+        self.last_print = 0.0
+
+    def start(self) -> None:
+        self.last_time = time.perf_counter()
+        self.last_cycle = 0
+
+    def __call__(self, cycle: Any, values: Any) -> None:
+        """values: (len(METRIC_NAMES), num_seeds), in the order of METRIC_NAMES."""
+        now = time.perf_counter()
+        cycle = int(cycle)
+        env_steps = cycle * self.args.batch_size
+        elapsed = now - (self.last_time if self.last_time is not None else now)
+        sps = (cycle - self.last_cycle) * self.args.batch_size * self.args.num_seeds / max(elapsed, 1e-9)
+        self.last_time, self.last_cycle = now, cycle
+
+        values = np.asarray(values, dtype=np.float64)
+        per_seed = {name: values[index] for index, name in enumerate(METRIC_NAMES)}
+        for index, seed in enumerate(self.seeds):
+            row = {"cycle": cycle, "env_steps": env_steps, "seed": seed, "charts/SPS": sps}
+            row.update({name: json_float(values[index]) for name, values in per_seed.items()})
+            self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+
+        mean = {name: json_float(np.nanmean(values)) if not np.all(np.isnan(values)) else None for name, values in per_seed.items()}
+        if self.wandb_run is not None:
+            log = {name: value for name, value in mean.items() if value is not None}
+            log["charts/SPS"] = sps
+            if self.args.num_seeds > 1:
+                for index, seed in enumerate(self.seeds):
+                    for name, values in per_seed.items():
+                        if not np.isnan(values[index]):
+                            log[f"seed_{seed}/{name}"] = float(values[index])
+            self.wandb_run.log(log, step=env_steps)
+
+        if now - self.last_print >= 1.0 or cycle == self.args.num_cycles:
+            self.last_print = now
+            episodic_return = mean["charts/episodic_return"]
+            print(
+                f"cycle {cycle}/{self.args.num_cycles} | env steps {env_steps:,} | SPS {sps:,.0f} | "
+                f"return {'-' if episodic_return is None else f'{episodic_return:.2f}'} | "
+                f"policy loss {fmt(mean['losses/policy_loss'])} | value loss {fmt(mean['losses/value_loss'])} | "
+                f"entropy {fmt(mean['losses/entropy'])} | approxkl3 {fmt(mean['losses/actor_approxkl3'])}",
+                flush=True,
+            )
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def json_float(value: Any) -> float | None:
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def final_returns(args: Args, episodic_return: np.ndarray) -> list[float | None]:
+    """Per seed: mean of the per-cycle episodic returns over the last 10% of cycles (cycles in
+    which no episode finished are left out)."""
+    num_last = max(1, math.ceil(0.1 * args.num_cycles))
+    last = episodic_return[-num_last:]  # (cycles, seeds)
+    result = []
+    for seed_index in range(last.shape[1]):
+        values = last[:, seed_index]
+        values = values[~np.isnan(values)]
+        result.append(float(values.mean()) if values.size else None)
+    return result
+
+
+def default_run_dir(args: Args) -> Path:
+    env_name = re.sub(r"[^A-Za-z0-9_.-]+", "_", args.env_id)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{env_name}__{args.exp_name}__{args.seed}__{stamp}"
+
+
+def args_from_json(path: Path) -> Args:
+    data = json.loads(Path(path).read_text())
+    data["impala_channels"] = tuple(data["impala_channels"])
+    return Args(**data)
+
+
+def load_params(run_dir: str | Path) -> tuple[Args, Any]:
+    """The final parameters of every seed (leading seed axis), from RUN_DIR alone."""
+    run_dir = Path(run_dir)
+    args = args_from_json(run_dir / "args.json")
+    env, env_params = make_env(args.env_id)
+    network = make_network(args, env.action_space(env_params).n)
+    obs_shape = stacked_obs_shape(env, env_params, args.frame_stack)
+    template = init_params(network, jax.random.key(0), args, obs_shape)
+    template = stack_seeds([template] * args.num_seeds)
+    params = flax.serialization.from_bytes(template, (run_dir / "params.msgpack").read_bytes())
+    return args, params
+
+
+# ======================================================================================
+# main
+# ======================================================================================
+
+
+def use_unrolled_threefry_on_cpu() -> None:
+    """JAX lowers its threefry PRNG to a rolled 5-iteration loop on CPU (to save compile time),
+    and every env step draws random numbers inside our sequential rollout loop. The unrolled
+    lowering that GPUs use gives the same bits and made a CartPole run 25% faster here. This
+    touches a private JAX API, so it is skipped silently when that API moves."""
+    try:
+        from jax._src.interpreters import mlir
+        from jax._src.random import threefry2x32
+
+        rule = threefry2x32._threefry2x32_lowering_rule
+        mlir.register_lowering(threefry2x32.threefry2x32_p, rule, platform="cpu")
+    except (ImportError, AttributeError):
+        pass
+
+
+def run(args: Args) -> dict[str, Any]:
+    """Validates, trains, and writes the run dir. Returns the summary."""
+    validate_args(args)
+    use_unrolled_threefry_on_cpu()
+    env, env_params = make_env(args.env_id)
+    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args)
+    if (run_dir / "metrics.jsonl").exists():
+        raise ConfigError(f"--run-dir {run_dir} already holds a run; choose another folder")
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2) + "\n")
+    wandb_run = None
+    if args.track:
+        import wandb
+
+        wandb_run = wandb.init(
+            project=args.wandb_project,
+            entity=args.wandb_entity,
+            group=args.wandb_group,
+            name=run_dir.name,
+            mode=args.wandb_mode,
+            dir=str(run_dir),
+            config=dataclasses.asdict(args),
+        )
+    logger = MetricsLogger(args, run_dir, wandb_run)
+    print(f"run dir: {run_dir}  |  {args.num_cycles} cycles x {args.batch_size} env steps x {args.num_seeds} seeds", flush=True)
+    if args.lstm_training == "stored":
+        carry_bytes = args.batch_size * args.carry_size * 4  # T * N * 2 * lstm_size float32s per LSTM
+        print(f"--lstm-training stored keeps {carry_bytes / 2**20:.1f} MiB of LSTM carries per seed", flush=True)
+
+    start = time.perf_counter()
+    init, train = make_train(args, env, env_params)
+    states = stack_seeds([init(args.seed + i) for i in range(args.num_seeds)])
+    train_jit = jax.jit(lambda states: train(states, logger), donate_argnums=0)
+    compiled = train_jit.lower(states).compile()
+    compile_seconds = time.perf_counter() - start
+    print(f"compiled in {compile_seconds:.1f} s", flush=True)
+
+    logger.start()
+    run_start = time.perf_counter()
+    states, metrics = compiled(states)
+    jax.block_until_ready((states, metrics))
+    run_seconds = time.perf_counter() - run_start
+    logger.close()
+
+    returns = final_returns(args, np.asarray(metrics["charts/episodic_return"]))
+    finite = [value for value in returns if value is not None]
+    summary = {
+        "sps": args.num_cycles * args.batch_size * args.num_seeds / run_seconds,
+        "compile_seconds": compile_seconds,
+        "train_seconds": run_seconds,
+        "total_seconds": time.perf_counter() - start,
+        "env_steps_per_seed": args.num_cycles * args.batch_size,
+        "num_seeds": args.num_seeds,
+        "final_episodic_return": float(np.mean(finite)) if finite else None,
+        "final_episodic_return_per_seed": returns,
+    }
+    (run_dir / "params.msgpack").write_bytes(flax.serialization.to_bytes(states.params))
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if wandb_run is not None:
+        wandb_run.summary.update({key: value for key, value in summary.items() if value is not None})
+        wandb_run.finish()
+    print(
+        f"done: {summary['sps']:,.0f} env steps/s, compile {compile_seconds:.1f} s, "
+        f"final return {fmt(summary['final_episodic_return'])}",
+        flush=True,
+    )
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = tyro.cli(Args, args=argv)
+    try:
+        run(args)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
