@@ -786,7 +786,7 @@ def update_cycle(
 
         def apply_update(_):
             (_, metrics), grads = grad_fn(params, minibatch, clip_eps, network, args)
-            metrics["losses/grad_norm"] = optax.global_norm(grads)  # before clipping
+            metrics["losses/grad_norm"] = optax.tree.norm(grads)  # before clipping
             direction, new_opt_state = optimizer.update(grads, opt_state, params)
             new_params = jax.tree.map(lambda param, step: param - learning_rate * step, params, direction)
             if args.target_kl is None:
