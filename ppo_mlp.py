@@ -28,6 +28,7 @@ import importlib
 import json
 import math
 import re
+import resource
 import sys
 import time
 from pathlib import Path
@@ -951,6 +952,7 @@ def run(args: Args) -> dict[str, Any]:
         "num_seeds": args.num_seeds,
         "final_episodic_return": float(np.mean(finite)) if finite else None,
         "final_episodic_return_per_seed": returns,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux: KiB
     }
     (run_dir / "params.msgpack").write_bytes(flax.serialization.to_bytes(states.params))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

@@ -1,0 +1,110 @@
+"""Throughput benchmark: runs a script on named configurations and prints a markdown table.
+
+    python scripts/benchmark.py --script ppo_mlp.py                 # every ppo_mlp.py config
+    python scripts/benchmark.py --script ppo_mlp.py --configs cartpole --repeats 3
+    python scripts/benchmark.py --script ppo_lstm_impala.py --out bench.md
+
+Each run is a separate process (so compile caches and memory do not leak between runs) and
+reports what the script itself wrote in summary.json: env steps/s over all seeds after
+compilation, compile seconds, final return and peak resident memory. Timings are not asserted
+anywhere: this is for the README's performance table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# name -> flags. The CartPole config is PureJaxRL's ppo.py default (4 envs x 128 steps,
+# 4 epochs x 4 minibatches, 500k steps).
+CONFIGS = {
+    "ppo_mlp.py": {
+        "cartpole": [],
+        "cartpole-8-seeds": ["--num-seeds", "8"],
+        "cartpole-256x128-8mb-5ep": [
+            "--num-parallel-envs", "256", "--num-minibatches-per-epoch", "8", "--num-epochs-per-cycle", "5",
+            "--num-total-env-steps", "2000000",
+        ],
+        "gpu-256-seeds-x-4-envs": ["--num-seeds", "256"],
+        "gpu-1-seed-x-2048-envs": ["--num-parallel-envs", "2048", "--num-total-env-steps", "10000000"],
+    },
+    "ppo_lstm_impala.py": {
+        "breakout-defaults-bptt": ["--num-total-env-steps", "1048576"],
+        "breakout-defaults-stored": ["--num-total-env-steps", "1048576", "--lstm-training", "stored"],
+        "breakout-defaults-ff": ["--num-total-env-steps", "1048576", "--lstm-size", "0"],
+    },
+}
+CPU_CONFIGS = {
+    "ppo_mlp.py": ["cartpole", "cartpole-8-seeds", "cartpole-256x128-8mb-5ep"],
+    "ppo_lstm_impala.py": ["breakout-defaults-bptt", "breakout-defaults-stored", "breakout-defaults-ff"],
+}
+
+
+def run_config(script: str, flags: list[str], run_dir: Path, extra_flags: list[str] = ()) -> dict:
+    """Runs one training process; returns its summary.json, or raises with its stderr."""
+    command = [sys.executable, str(ROOT / script), *flags, *extra_flags, "--run-dir", str(run_dir)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def machine_description() -> str:
+    import jax
+
+    devices = jax.devices()
+    return f"{platform.node()} | {platform.processor() or platform.machine()} | {len(devices)} x {devices[0].device_kind} | jax {jax.__version__}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--script", required=True, choices=sorted(CONFIGS))
+    parser.add_argument("--configs", nargs="+", help="names of configs (default: the CPU set)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per config; the table shows the best SPS")
+    parser.add_argument("--out", type=Path, help="also write the markdown table here")
+    parser.add_argument("extra", nargs=argparse.REMAINDER, help="flags passed to every run, after --")
+    options = parser.parse_args()
+    names = options.configs or CPU_CONFIGS[options.script]
+    unknown = [name for name in names if name not in CONFIGS[options.script]]
+    if unknown:
+        parser.error(f"--configs: unknown {unknown}; choose from {sorted(CONFIGS[options.script])}")
+    if options.repeats < 1:
+        parser.error("--repeats must be >= 1")
+    extra = [flag for flag in options.extra if flag != "--"]
+
+    lines = [
+        f"`{options.script}` on {machine_description()}, {datetime.date.today().isoformat()}",
+        "",
+        "| config | flags | env steps/s (all seeds) | compile s | final return | peak RSS MB |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in names:
+        flags = CONFIGS[options.script][name] + extra
+        summaries = []
+        for _ in range(options.repeats):
+            with tempfile.TemporaryDirectory() as folder:
+                summaries.append(run_config(options.script, flags, Path(folder) / "run"))
+        best = max(summaries, key=lambda summary: summary["sps"])
+        final = best["final_episodic_return"]
+        lines.append(
+            f"| {name} | `{' '.join(flags) or '(defaults)'}` | {best['sps']:,.0f} | {best['compile_seconds']:.1f} | "
+            f"{'-' if final is None else f'{final:.1f}'} | {best['peak_rss_mb']:.0f} |"
+        )
+        print(lines[-1], flush=True)
+    table = "\n".join(lines)
+    print("\n" + table)
+    if options.out:
+        options.out.write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""Quick tests of the tools in scripts/ (tiny budgets; they only check that the tools work)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_benchmark_prints_a_markdown_row_per_config(tmp_path):
+    out = tmp_path / "bench.md"
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--script", "ppo_mlp.py", "--configs", "cartpole",
+         "cartpole-8-seeds", "--out", str(out), "--", "--num-total-env-steps", "2048"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| cartpole")]
+    assert len(rows) == 2
+    assert rows[1].startswith("| cartpole-8-seeds | `--num-seeds 8 --num-total-env-steps 2048`")
+
+
+def test_benchmark_rejects_an_unknown_config():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--script", "ppo_mlp.py", "--configs", "nope"],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 2 and "--configs" in result.stderr
