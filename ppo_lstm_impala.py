@@ -614,6 +614,41 @@ def collect_rollout(
     return env_carry, transitions, finished_return, finished_length
 
 
+def evaluate_rollout(
+    params: Any, first_carry: jax.Array, transitions: Transition, network: ActorCritic, args: Args
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """Cuts the rollout into the sequences the loss unrolls, (L, S, ...) with L * S = T * N, and
+    computes the rollout's log-probs and values with the loss's own forward pass (not the
+    rollout's), so that the first minibatch reproduces them exactly.
+
+    Returns the sequences' first carry (S, C) and episode starts (L, S), logp (L, S),
+    value (L, S), and next_value (T, N) = V(final_obs[t]) from the carry after obs[t], before
+    any reset: a reset carry would bootstrap a truncated episode from the wrong state.
+    """
+    num_steps, num_envs = transitions.action.shape
+    sequence_shape = (args.sequence_length, args.num_sequences)
+    to_sequences = lambda x: x.reshape(*sequence_shape, *x.shape[2:])  # noqa: E731
+    if args.lstm_training == "bptt":
+        sequence_carry, sequence_start = first_carry, transitions.episode_start
+    else:  # the stored carries are already reset
+        sequence_carry = transitions.carry.reshape(num_steps * num_envs, args.carry_size)
+        sequence_start = jnp.zeros(sequence_shape, bool)
+
+    carries, logits, value = forward_in_minibatches(
+        params, sequence_carry, to_sequences(transitions.obs), sequence_start, network, args.num_minibatches_per_epoch
+    )
+    logp = distrax.Categorical(logits=logits).log_prob(to_sequences(transitions.action))
+    _, _, next_value = forward_in_minibatches(
+        params,
+        carries.reshape(num_steps * num_envs, args.carry_size),  # carry after obs[t], (T * N, C)
+        transitions.final_obs.reshape(1, num_steps * num_envs, *transitions.final_obs.shape[2:]),
+        jnp.zeros((1, num_steps * num_envs), bool),
+        network,
+        args.num_minibatches_per_epoch,
+    )
+    return sequence_carry, sequence_start, logp, value, next_value.reshape(num_steps, num_envs)
+
+
 def compute_gae(
     reward: jax.Array,
     value: jax.Array,
@@ -924,32 +959,11 @@ def make_train(args: Args, env: Any, env_params: Any):
             store_carries=args.lstm_training == "stored",
         )
 
-        # Cut the rollout into the sequences the loss unrolls: (L, S, ...), L * S = T * N.
         num_steps, num_envs = transitions.action.shape
-        sequence_shape = (args.sequence_length, args.num_sequences)
-        to_sequences = lambda x: x.reshape(*sequence_shape, *x.shape[2:])  # noqa: E731
-        if args.lstm_training == "bptt":
-            sequence_carry, sequence_start = first_carry, transitions.episode_start
-        else:  # the stored carries are already reset
-            sequence_carry = transitions.carry.reshape(num_steps * num_envs, args.carry_size)
-            sequence_start = jnp.zeros(sequence_shape, bool)
-
-        # Log-probs and values from the loss's own forward pass (not the rollout's), so that the
-        # first minibatch reproduces them exactly.
-        carries, logits, value = forward_in_minibatches(
-            state.params, sequence_carry, to_sequences(transitions.obs), sequence_start, network, args.num_minibatches_per_epoch
+        sequence_carry, sequence_start, logp, value, next_value = evaluate_rollout(
+            state.params, first_carry, transitions, network, args
         )
-        logp = distrax.Categorical(logits=logits).log_prob(to_sequences(transitions.action))
-        # V(final_obs[t]) from the carry after obs[t], before any reset (a reset carry would
-        # bootstrap a truncated episode from the wrong state).
-        _, _, next_value = forward_in_minibatches(
-            state.params,
-            carries.reshape(num_steps * num_envs, args.carry_size),
-            transitions.final_obs.reshape(1, num_steps * num_envs, *obs_shape),
-            jnp.zeros((1, num_steps * num_envs), bool),
-            network,
-            args.num_minibatches_per_epoch,
-        )
+        to_sequences = lambda x: x.reshape(args.sequence_length, args.num_sequences, *x.shape[2:])  # noqa: E731
 
         done = jnp.logical_or(transitions.terminated, transitions.truncated)
         bootstrap_stops = transitions.terminated if args.bootstrap_truncated else done

@@ -111,6 +111,9 @@ class Args:
     """value loss coefficient"""
     target_kl: float | None = None
     """skip the rest of a cycle's updates once a minibatch's approxkl3 exceeds this"""
+    mask_invalid_actions: bool = True
+    """if the env has a method `action_mask(env_state, env_params) -> bool (A,)`, invalid actions
+    get zero probability in the rollout and in the loss (37 details: invalid action masking)"""
 
     # --- network (37 details: 2 orthogonal init, 13 separate networks) ----------------
     hidden_sizes: tuple[int, ...] = (64, 64)
@@ -270,6 +273,7 @@ class Transition(NamedTuple):
     terminated: jax.Array  # (T, N) bool
     truncated: jax.Array  # (T, N) bool
     final_obs: jax.Array  # (T, N, *obs_shape)
+    action_mask: jax.Array | None  # (T, N, A) bool, or None when actions are not masked
 
 
 class Batch(NamedTuple):
@@ -281,6 +285,7 @@ class Batch(NamedTuple):
     value: jax.Array
     advantage: jax.Array
     target: jax.Array  # GAE return, the value target
+    action_mask: jax.Array | None  # (B, A) bool, or None
 
 
 class EnvCarry(NamedTuple):
@@ -359,6 +364,17 @@ class ActorCritic(nn.Module):
         return self.actor_head(self.actor_torso(x))
 
 
+INVALID_ACTION_LOGIT = -1e9  # exp() is exactly 0, and 0 * logit stays finite in the entropy
+
+
+def masked(logits: jax.Array, action_mask: jax.Array | None) -> jax.Array:
+    return logits if action_mask is None else jnp.where(action_mask, logits, INVALID_ACTION_LOGIT)
+
+
+def uses_action_mask(args: Args, env: Any) -> bool:
+    return args.mask_invalid_actions and callable(getattr(env, "action_mask", None))
+
+
 def make_network(args: Args, num_actions: int) -> ActorCritic:
     return ActorCritic(
         num_actions=num_actions,
@@ -388,6 +404,7 @@ def collect_rollout(
     env: Any,
     env_params: Any,
     num_steps: int,
+    mask_actions: bool,
 ) -> tuple[EnvCarry, Transition, jax.Array, jax.Array]:
     """Steps N envs for T steps with the current policy.
 
@@ -404,7 +421,8 @@ def collect_rollout(
     def step(carry: EnvCarry, step_input):
         step_gumbel, step_keys = step_input
         logits = network.apply(params, carry.obs, method=ActorCritic.policy)
-        action = jnp.argmax(logits + step_gumbel, axis=-1)  # Gumbel-max = categorical sample
+        action_mask = jax.vmap(env.action_mask, in_axes=(0, None))(carry.env_state, env_params) if mask_actions else None
+        action = jnp.argmax(masked(logits, action_mask) + step_gumbel, axis=-1)  # Gumbel-max = categorical sample
         next_obs, env_state, reward, terminated, truncated, info = jax.vmap(
             env.step, in_axes=(0, 0, 0, None)
         )(step_keys, carry.env_state, action, env_params)
@@ -426,6 +444,7 @@ def collect_rollout(
             terminated=terminated,
             truncated=truncated,
             final_obs=info["final_observation"],
+            action_mask=action_mask,
         )
         return new_carry, (transition, finished_return, finished_length)
 
@@ -508,7 +527,7 @@ def ppo_loss_terms(
 
 def loss_fn(params: Any, batch: Batch, clip_eps: jax.Array, network: ActorCritic, args: Args):
     logits, new_value = network.apply(params, batch.obs)
-    distribution = distrax.Categorical(logits=logits)
+    distribution = distrax.Categorical(logits=masked(logits, batch.action_mask))
     new_logp = distribution.log_prob(batch.action)
     entropy = distribution.entropy()
     policy_loss, value_loss, metrics = ppo_loss_terms(
@@ -666,6 +685,7 @@ def make_train(args: Args, env: Any, env_params: Any):
     network = make_network(args, env.action_space(env_params).n)
     optimizer = make_optimizer(args)
     obs_shape = env.observation_space(env_params).shape
+    mask_actions = uses_action_mask(args, env)
 
     @jax.jit
     def init_one(key: jax.Array) -> TrainState:
@@ -684,7 +704,7 @@ def make_train(args: Args, env: Any, env_params: Any):
             env_carry = reset_envs(reset_key, env, env_params, args.num_parallel_envs)
 
         env_carry, transitions, finished_return, finished_length = collect_rollout(
-            state.params, env_carry, rollout_key, network, env, env_params, args.num_env_steps_per_cycle
+            state.params, env_carry, rollout_key, network, env, env_params, args.num_env_steps_per_cycle, mask_actions
         )
 
         # One batched forward pass over the whole rollout for log-probs and values, instead of
@@ -694,7 +714,9 @@ def make_train(args: Args, env: Any, env_params: Any):
         flat_final_obs = transitions.final_obs.reshape(num_steps * num_envs, *obs_shape)
         logits, value = network.apply(state.params, flat_obs)
         _, next_value = network.apply(state.params, flat_final_obs)
-        logp = distrax.Categorical(logits=logits).log_prob(transitions.action.reshape(-1))
+        num_actions = logits.shape[-1]
+        flat_mask = None if transitions.action_mask is None else transitions.action_mask.reshape(-1, num_actions)
+        logp = distrax.Categorical(logits=masked(logits, flat_mask)).log_prob(transitions.action.reshape(-1))
 
         done = jnp.logical_or(transitions.terminated, transitions.truncated)
         bootstrap_stops = transitions.terminated if args.bootstrap_truncated else done
@@ -714,6 +736,7 @@ def make_train(args: Args, env: Any, env_params: Any):
             value=value,
             advantage=advantage.reshape(-1),
             target=target.reshape(-1),
+            action_mask=flat_mask,
         )
         params, opt_state, metrics = update_cycle(
             state.params, state.opt_state, batch, update_key, state.cycle, network, optimizer, args

@@ -8,6 +8,8 @@ this folder on the Python path). Every probe comes in a vector form (obs shape (
 - ObsDependentReward: one-step episodes, obs is +1 or -1 at random, reward = obs. V(obs) = obs.
 - ActionDependentReward: one-step episodes, reward +1 for action 0 and -1 for action 1. The policy
   must pick action 0, and V -> 1.
+- MaskedActions: one-step episodes, actions pay 1, 0.5 and 0, and action 0 is always invalid
+  (the env has an `action_mask` method). With masking the best return is 0.5.
 - TimeLimit: reward 1 every step, never terminates, truncated after 5 steps. With truncation
   bootstrapping V = 1 / (1 - gamma) everywhere; without it the value is much lower.
 - Memory: a cue (one of NUM_CUES channels) is shown once, then DELAY blank frames, then a query
@@ -87,6 +89,18 @@ class ObsDependentReward(_Probe):
 class ActionDependentReward(_Probe):
     def reward(self, state, action):
         return jnp.where(action == 0, 1.0, -1.0).astype(jnp.float32)
+
+
+class MaskedActions(_Probe):
+    """Three actions paying 1, 0.5 and 0; action 0 is always invalid (see `action_mask`)."""
+
+    num_actions_ = 3
+
+    def reward(self, state, action):
+        return jnp.asarray([1.0, 0.5, 0.0], jnp.float32)[action]
+
+    def action_mask(self, state, params):
+        return jnp.asarray([False, True, True])
 
 
 class TimeLimit(_Probe):

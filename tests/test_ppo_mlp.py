@@ -97,6 +97,7 @@ def test_loss_terms_match_hand_computation(clip_vloss, norm_adv):
         value=jnp.asarray(old_value, jnp.float32),
         advantage=jnp.asarray(advantage, jnp.float32),
         target=jnp.asarray(target, jnp.float32),
+        action_mask=None,
     )
     policy_loss, value_loss, metrics = ppo_mlp.ppo_loss_terms(
         jnp.asarray(new_logp, jnp.float32),
@@ -230,6 +231,27 @@ def test_probe_time_limit_bootstraps_truncated_steps_from_the_final_observation(
     states, _ = train_in_process(args)
     _, value = evaluate_network(args, states, [[0.0]])
     assert float(value[0]) < 4.2
+
+
+def test_invalid_actions_are_never_taken_when_the_env_masks_them():
+    # Action 0 would pay 1 but is always invalid; the best valid action pays 0.5.
+    args = ppo_mlp.Args(env_id="probe_envs:MaskedActions", **PROBE)
+    states, metrics = train_in_process(args)
+    returns = metrics["charts/episodic_return"]
+    assert np.nanmax(returns) <= 0.5  # action 0 was never sampled, in any cycle
+    assert np.nanmean(returns[-5:]) > 0.45
+    logits, _ = evaluate_network(args, states, [[0.0]])
+    assert float(jax.nn.softmax(logits)[0, 1]) > float(jax.nn.softmax(logits)[0, 2])
+    # without masking the policy learns the (invalid) action 0
+    _, metrics = train_in_process(ppo_mlp.Args(env_id="probe_envs:MaskedActions", mask_invalid_actions=False, **PROBE))
+    assert np.nanmean(metrics["charts/episodic_return"][-5:]) > 0.9
+
+
+def test_masked_run_still_starts_each_cycle_with_ratio_one():
+    args = ppo_mlp.Args(env_id="probe_envs:MaskedActions", num_total_env_steps=3 * 512, target_kl=1e-12)
+    _, metrics = train_in_process(args)
+    assert np.all(metrics["losses/actor_approxkl3"] == 0.0)
+    assert np.all(np.isfinite(metrics["losses/entropy"]))
 
 
 # --------------------------------------------------------------------------------------
