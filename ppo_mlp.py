@@ -21,10 +21,13 @@ import os
 if "XLA_FLAGS" not in os.environ:
     os.environ["XLA_FLAGS"] = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
+import contextlib
 import dataclasses
 import datetime
 import difflib
 import importlib
+import io
+import itertools
 import json
 import math
 import re
@@ -990,8 +993,27 @@ def run(args: Args) -> dict[str, Any]:
     return summary
 
 
+def parse_args(argv: list[str] | None = None) -> Args:
+    """tyro, with its boxed parse errors folded into the one-line `error: ...` (exit code 2)."""
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            return tyro.cli(Args, args=argv)
+    except SystemExit as exit_request:
+        if exit_request.code in (0, None):
+            raise
+        # The box is: a title line, the message, a rule, then help text. Keep the message.
+        lines = [line.strip(" │╭╮╰╯") for line in captured.getvalue().splitlines()]
+        is_rule = lambda text: set(text) <= set("-─")  # noqa: E731
+        body = [text for text in lines[1:] if text]
+        body = body[1:] if body and is_rule(body[0]) else body
+        message = " ".join(itertools.takewhile(lambda text: not is_rule(text), body))
+        print(f"error: {message or captured.getvalue().strip()}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = tyro.cli(Args, args=argv)
+    args = parse_args(argv)
     try:
         run(args)
     except ConfigError as error:

@@ -341,6 +341,9 @@ def test_log_every_cycles_writes_every_kth_cycle_and_the_last(tmp_path):
         (["--lr", "-0.1"], "--lr"),
         (["--env-id", "Pendulum-v1"], "discrete actions only"),
         (["--env-id", "probe_envs:ContinuousActions"], "discrete actions only"),
+        (["--num-parallel-envs", "abc"], "--num-parallel-envs"),
+        (["--activation", "sigmoid"], "--activation"),
+        (["--no-such-flag"], "--no-such-flag"),
     ],
 )
 def test_bad_input_gets_one_line_and_exit_code_2(tmp_path, flags, expected):
