@@ -253,14 +253,15 @@ def test_next_value_uses_pre_reset_carry(tmp_path, lstm_training):
     truncated = np.asarray(transitions.truncated)
     start = np.asarray(transitions.episode_start)
     assert truncated[:-1].any()
+    apply = jax.jit(network.apply)  # two sequence lengths, two compiles
     checked = 0
     for n in range(args.num_parallel_envs):
         for t in np.flatnonzero(truncated[:, n]):
             first = max(t0 for t0 in range(t + 1) if start[t0, n])
             sequence = jnp.concatenate([obs[first : t + 1, n], final_obs[t : t + 1, n]])[:, None]
-            _, _, values = network.apply(params, jnp.zeros((1, args.carry_size)), sequence, jnp.zeros((len(sequence), 1), bool))
+            _, _, values = apply(params, jnp.zeros((1, args.carry_size)), sequence, jnp.zeros((len(sequence), 1), bool))
             assert float(next_value[t, n]) == pytest.approx(float(values[-1, 0]), abs=1e-5)
-            _, _, reset_value = network.apply(params, jnp.zeros((1, args.carry_size)), final_obs[t : t + 1, n][:, None], jnp.zeros((1, 1), bool))
+            _, _, reset_value = apply(params, jnp.zeros((1, args.carry_size)), final_obs[t : t + 1, n][:, None], jnp.zeros((1, 1), bool))
             assert abs(float(next_value[t, n]) - float(reset_value[0, 0])) > 1e-4
             checked += 1
     assert checked > 0
