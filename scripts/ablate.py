@@ -1,0 +1,223 @@
+"""Ablation: the baseline, then one run per implementation detail flipped from its default.
+
+    python scripts/ablate.py --script ppo_mlp.py --env-id CartPole-v1 --num-seeds 5 --out-dir ablations/cartpole
+    python scripts/ablate.py --script ppo_mlp.py --out-dir DIR --details norm-adv clip-eps -- --num-total-env-steps 100000
+
+Seeds run vmapped inside each run (--num-seeds). Each run has its own subfolder of --out-dir
+(`baseline`, `norm-adv`, ...) and counts as finished once it holds summary.json; --resume skips
+finished runs. Details whose flag the script lacks are skipped with a note. Writes
+DIR/ablation.md, DIR/ablation.csv, DIR/ablation.png (bars) and DIR/learning_curves.png.
+
+Final return: per seed, the mean episodic return over the last 10% of cycles (the script's
+summary.json); AUC: per seed, the mean episodic return over all cycles. Both as mean ± sample
+std over seeds, and relative to the baseline's mean.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import sys
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from plot import plot_runs  # noqa: E402
+from runs import (  # noqa: E402
+    ROOT,
+    area_under_curve,
+    check_out_dir,
+    flags_for,
+    fmt,
+    mean_std,
+    read_run,
+    run_once,
+    script_defaults,
+    split_passthrough,
+)
+
+HUGE_GRAD_NORM = 1e9  # global-norm clipping never triggers
+
+
+class Detail(NamedTuple):
+    name: str
+    fields: tuple[str, ...]  # the first of these the script has is flipped
+    flipped: Callable[[Any], Any]  # default -> ablated value
+    note: str
+
+
+def other_clip_eps(default: float) -> float:
+    return 0.1 if default != 0.1 else 0.2
+
+
+DETAILS = (
+    Detail("anneal-lr", ("anneal_lr",), lambda default: not default, "learning-rate annealing toggled (37 details: 4)"),
+    Detail("clip-eps", ("clip_eps",), other_clip_eps, "clip range 0.1 <-> 0.2 (37 details: 8)"),
+    Detail("clip-vloss", ("clip_vloss",), lambda default: not default, "value-loss clipping toggled (37 details: 9)"),
+    Detail("norm-adv", ("norm_adv",), lambda default: not default, "advantage normalization toggled (37 details: 7)"),
+    Detail("orthogonal-init", ("orthogonal_init",), lambda default: not default, "orthogonal init toggled (37 details: 2)"),
+    Detail("adam-eps", ("adam_eps",), lambda default: 1e-8, "Adam eps 1e-8, PyTorch's default (37 details: 3)"),
+    Detail("ent-coef", ("ent_coef",), lambda default: 0.0, "no entropy bonus (37 details: 10)"),
+    Detail("max-grad-norm", ("max_grad_norm",), lambda default: HUGE_GRAD_NORM, "global gradient clipping off (37 details: 11)"),
+    Detail("shared-network", ("shared_network", "separate_critic"), lambda default: not default,
+           "shared vs separate actor/critic toggled (37 details: 13)"),
+    Detail("minibatches-1", ("num_minibatches_per_epoch",), lambda default: 1, "one minibatch per epoch (37 details: 6)"),
+    Detail("minibatches-2x", ("num_minibatches_per_epoch",), lambda default: 2 * default, "twice the minibatches per epoch"),
+    Detail("anneal-clip-eps", ("anneal_clip_eps",), lambda default: not default, "clip-range annealing toggled"),
+    Detail("target-kl", ("target_kl",), lambda default: 0.01 if default is None else None, "early stop at approxkl3 > 0.01"),
+    Detail("bootstrap-truncated", ("bootstrap_truncated",), lambda default: not default,
+           "bootstrapping truncated episodes from V(final obs) toggled"),
+    Detail("frame-stack", ("frame_stack",), lambda default: 4 if default == 1 else 1, "4 stacked frames (vs 1)"),
+    Detail("lstm-training", ("lstm_training",), lambda default: "stored" if default == "bptt" else "bptt",
+           "LSTM trained by BPTT vs from stored carries"),
+)
+DETAIL_NAMES = [detail.name for detail in DETAILS]
+
+
+def detail_flags(detail: Detail, defaults: dict[str, Any]) -> tuple[list[str], str] | tuple[None, str]:
+    """The flags that flip a detail for this script, and a `field=value` description; None and a
+    note when the script has no such flag."""
+    for field in detail.fields:
+        if field in defaults:
+            value = detail.flipped(defaults[field])
+            return flags_for(field, value), f"{field}={value}"
+    return None, f"skipped: the script has no {' / '.join('--' + f.replace('_', '-') for f in detail.fields)}"
+
+
+def summarize(run_dir: Path) -> dict[str, Any]:
+    run = read_run(run_dir)
+    final = mean_std(run.summary["final_episodic_return_per_seed"])
+    auc = mean_std(area_under_curve(run))
+    return {"run": run, "final": final, "auc": auc, "num_seeds": run.args.get("num_seeds", 1)}
+
+
+def relative(value: float, baseline: float) -> float:
+    if not (math.isfinite(value) and math.isfinite(baseline)) or baseline == 0:
+        return math.nan
+    return 100.0 * (value - baseline) / abs(baseline)
+
+
+def write_outputs(out_dir: Path, rows: list[dict[str, Any]], header: str) -> None:
+    baseline = rows[0]
+    csv_columns = ["detail", "change", "status", "final_mean", "final_std", "final_rel_pct", "auc_mean", "auc_std", "auc_rel_pct", "num_seeds"]
+    with open(out_dir / "ablation.csv", "w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=csv_columns)
+        writer.writeheader()
+        for row in rows:
+            record = {"detail": row["detail"], "change": row["change"], "status": row["status"]}
+            if "final" in row:
+                record.update(
+                    final_mean=f"{row['final'][0]:.2f}", final_std=f"{row['final'][1]:.2f}",
+                    final_rel_pct=f"{relative(row['final'][0], baseline['final'][0]):.1f}",
+                    auc_mean=f"{row['auc'][0]:.2f}", auc_std=f"{row['auc'][1]:.2f}",
+                    auc_rel_pct=f"{relative(row['auc'][0], baseline['auc'][0]):.1f}", num_seeds=row["num_seeds"],
+                )
+            writer.writerow(record)
+
+    lines = [header, "", "| detail | change | final return | vs baseline | AUC (mean return, all cycles) | vs baseline |",
+             "|---|---|---|---|---|---|"]
+    notes = []
+    for row in rows:
+        if "final" not in row:
+            notes.append(f"- `{row['detail']}`: {row['status']}")
+            continue
+        final_rel = relative(row["final"][0], baseline["final"][0])
+        auc_rel = relative(row["auc"][0], baseline["auc"][0])
+        is_baseline = row is baseline
+        lines.append(
+            f"| {row['detail']} | `{row['change']}` | {fmt(row['final'][0])} ± {fmt(row['final'][1])} | "
+            f"{'-' if is_baseline else f'{final_rel:+.1f}%'} | {fmt(row['auc'][0])} ± {fmt(row['auc'][1])} | "
+            f"{'-' if is_baseline else f'{auc_rel:+.1f}%'} |"
+        )
+    if notes:
+        lines += ["", "Not run:", "", *notes]
+    (out_dir / "ablation.md").write_text("\n".join(lines) + "\n")
+
+    finished = [row for row in rows if "final" in row]
+    figure, axes = plt.subplots(1, 2, figsize=(11, 0.38 * len(finished) + 1.6), sharey=True)
+    positions = np.arange(len(finished))[::-1]
+    for ax, key, title in zip(axes, ["final", "auc"], ["final return (last 10% of cycles)", "AUC (mean return over all cycles)"]):
+        means = [row[key][0] for row in finished]
+        stds = [row[key][1] for row in finished]
+        colors = ["tab:gray" if row is baseline else "tab:blue" for row in finished]
+        ax.barh(positions, means, xerr=stds, color=colors, capsize=3)
+        ax.axvline(baseline[key][0], color="black", linestyle="--", linewidth=0.8)
+        ax.set_title(title, fontsize=9)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks(positions, [row["detail"] for row in finished], fontsize=8)
+    figure.suptitle(f"mean ± std over {baseline['num_seeds']} seeds; dashed: baseline", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(out_dir / "ablation.png", dpi=110)
+    plt.close(figure)
+
+    plot_runs([row["run"] for row in finished], out_dir / "learning_curves.png",
+              labels=[row["detail"] for row in finished])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ours, extra = split_passthrough(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     usage="%(prog)s --script SCRIPT --out-dir DIR [options] [-- flags for every run]")
+    parser.add_argument("--script", default="ppo_mlp.py", help="training script in the repo root")
+    parser.add_argument("--env-id", help="passed to every run (default: the script's)")
+    parser.add_argument("--num-seeds", type=int, default=5, help="seeds per run, vmapped in one process")
+    parser.add_argument("--out-dir", type=Path, required=True)
+    parser.add_argument("--details", nargs="+", choices=DETAIL_NAMES, metavar="DETAIL",
+                        help=f"a subset of: {', '.join(DETAIL_NAMES)} (default: all)")
+    parser.add_argument("--resume", action="store_true", help="skip runs that already finished in --out-dir")
+    options = parser.parse_args(ours)
+    if not (ROOT / options.script).is_file():
+        parser.error(f"--script {options.script}: no such file in {ROOT}")
+    if options.num_seeds < 1:
+        parser.error(f"--num-seeds must be >= 1, got {options.num_seeds}")
+    error = check_out_dir(options.out_dir, options.resume)
+    if error:
+        parser.error(error)
+
+    defaults = script_defaults(options.script)
+    common = ["--num-seeds", str(options.num_seeds)] + (["--env-id", options.env_id] if options.env_id else [])
+    planned = [("baseline", [], "(defaults)")]
+    skipped = []
+    for detail in DETAILS:
+        if options.details and detail.name not in options.details:
+            continue
+        flags, change = detail_flags(detail, defaults)
+        if flags is None:
+            skipped.append({"detail": detail.name, "change": "", "status": change})
+            print(f"{detail.name}: {change}", flush=True)
+        else:
+            planned.append((detail.name, flags, change))
+
+    rows = []
+    for name, flags, change in planned:
+        result = run_once(options.script, common + flags, options.out_dir / name, extra)
+        if result.status == "rejected":
+            rows.append({"detail": name, "change": change, "status": f"rejected by the script: {result.message}"})
+            print(f"{name}: rejected by {options.script}: {result.message}", flush=True)
+            if name == "baseline":
+                print(f"error: the baseline itself is rejected: {result.message}", file=sys.stderr)
+                return 2
+            continue
+        row = {"detail": name, "change": change, "status": result.status, **summarize(options.out_dir / name)}
+        rows.append(row)
+        print(f"{name} ({result.status}): final {fmt(row['final'][0])} ± {fmt(row['final'][1])}, "
+              f"AUC {fmt(row['auc'][0])} ± {fmt(row['auc'][1])}", flush=True)
+
+    env_id = options.env_id or defaults["env_id"]
+    header = (f"Ablation of `{options.script}` on {env_id}, {options.num_seeds} seeds per run"
+              f"{', extra flags `' + ' '.join(extra) + '`' if extra else ''}. Final return: mean over the last 10% "
+              f"of cycles; AUC: mean over all cycles; each mean ± std over seeds.")
+    write_outputs(options.out_dir, rows + skipped, header)
+    print((options.out_dir / "ablation.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""Learning curves of one or more run dirs: the mean over seeds with a shaded band.
+
+    python scripts/plot.py runs/a runs/b --out curves.png
+    python scripts/plot.py runs/a runs/b --out kl.png --metric losses/actor_approxkl3 --band minmax
+    python scripts/plot.py runs/a --out debug.png --debug-grid
+
+One curve per run dir, labelled by the args that differ between the run dirs' args.json (e.g.
+`clip_eps=0.1`). Cycles in which no episode finished have a null return: they are skipped, never
+plotted as 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runs import Run, differing_labels, metric_table, read_run  # noqa: E402
+
+DEBUG_METRICS = (
+    "charts/episodic_return",
+    "losses/policy_loss",
+    "losses/value_loss",
+    "losses/entropy",
+    "losses/actor_clipfrac",
+    "losses/critic_clipfrac",
+    "losses/actor_approxkl1",
+    "losses/actor_approxkl3",
+    "losses/explained_variance",
+    "losses/grad_norm",
+)
+
+
+def draw_curve(ax, x: np.ndarray, values: np.ndarray, label: str, band: str) -> None:
+    """values (C, S): the mean over seeds, and std or min-max over seeds as a band; cycles where
+    every seed is null are left out."""
+    keep = np.any(~np.isnan(values), axis=1)
+    x, values = x[keep], values[keep]
+    if x.size == 0:
+        return
+    mean = np.nanmean(values, axis=1)
+    if band == "std":
+        spread = np.nanstd(values, axis=1)
+        low, high = mean - spread, mean + spread
+    else:
+        low, high = np.nanmin(values, axis=1), np.nanmax(values, axis=1)
+    (line,) = ax.plot(x, mean, label=label, linewidth=1.2)
+    ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
+
+
+def plot_metric(ax, runs: list[Run], labels: list[str], metric: str, band: str, x_of=None) -> None:
+    """x_of(run) -> x values per logged cycle; default env steps."""
+    for run, label in zip(runs, labels):
+        env_steps, values, seeds = metric_table(run, metric)
+        x = env_steps if x_of is None else x_of(run)
+        draw_curve(ax, x, values, f"{label} ({len(seeds)} seeds)" if len(seeds) > 1 else label, band)
+    ax.set_title(metric, fontsize=9)
+    ax.grid(alpha=0.3)
+
+
+def plot_runs(
+    runs: list[Run],
+    out: Path,
+    metric: str = "charts/episodic_return",
+    band: str = "std",
+    labels: list[str] | None = None,
+    debug_grid: bool = False,
+    x_of=None,
+    x_label: str = "env steps (per seed)",
+) -> None:
+    labels = labels or differing_labels([run.args for run in runs], [run.path.name for run in runs])
+    metrics = DEBUG_METRICS if debug_grid else (metric,)
+    num_columns = min(len(metrics), 4)
+    num_rows = math.ceil(len(metrics) / num_columns)
+    figure, axes = plt.subplots(num_rows, num_columns, figsize=(4.2 * num_columns + 1, 3.2 * num_rows + 0.6), squeeze=False)
+    for ax, name in zip(axes.flat, metrics):
+        plot_metric(ax, runs, labels, name, band, x_of)
+        ax.set_xlabel(x_label, fontsize=8)
+    for ax in list(axes.flat)[len(metrics) :]:
+        ax.axis("off")
+    handles, legend_labels = axes.flat[0].get_legend_handles_labels()
+    if handles:
+        band_name = "±1 std over seeds" if band == "std" else "min-max over seeds"
+        figure.legend(handles, legend_labels, loc="lower center", ncol=min(len(handles), 3), fontsize=8,
+                      title=f"mean, band: {band_name}", title_fontsize=8, bbox_to_anchor=(0.5, 0.0))
+        figure.tight_layout(rect=(0, 0.06 + 0.035 * math.ceil(len(handles) / 3), 1, 1))
+    else:
+        figure.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
+    parser.add_argument("--out", type=Path, required=True, help="the image to write, e.g. curves.png")
+    parser.add_argument("--metric", default="charts/episodic_return", help="a metrics.jsonl key")
+    parser.add_argument("--band", choices=["std", "minmax"], default="std", help="band over seeds")
+    parser.add_argument("--debug-grid", action="store_true", help="a grid of the loss and debug metrics instead")
+    options = parser.parse_args(argv)
+    if options.out.suffix.lower() not in {".png", ".pdf", ".svg"}:
+        parser.error(f"--out {options.out}: use a .png, .pdf or .svg file name")
+    runs = []
+    for run_dir in options.run_dirs:
+        try:
+            runs.append(read_run(run_dir))
+        except FileNotFoundError as error:
+            parser.error(str(error))
+    if not options.debug_grid and not any(options.metric in row for run in runs for row in run.rows):
+        known = sorted({key for run in runs for row in run.rows for key in row} - {"cycle", "env_steps", "seed"})
+        parser.error(f"--metric {options.metric} is not in metrics.jsonl; choose from {', '.join(known)}")
+    plot_runs(runs, options.out, options.metric, options.band, debug_grid=options.debug_grid)
+    print(f"wrote {options.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

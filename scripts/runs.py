@@ -1,0 +1,203 @@
+"""Shared helpers of the research scripts (plot, sweep, ablate, evaluate): reading run dirs,
+running a configuration once per subfolder (with --resume), labels from differing args, and
+the training scripts' own `Args` fields.
+
+Not a script: `plot.py`, `sweep.py`, `ablate.py` and `evaluate.py` import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmark import ROOT, run_config  # noqa: E402
+
+# args.json keys that never describe the experiment, left out of labels.
+NON_EXPERIMENT_ARGS = {"run_dir", "exp_name", "track", "wandb_project", "wandb_entity", "wandb_group", "wandb_mode"}
+
+
+# ======================================================================================
+# The training scripts
+# ======================================================================================
+
+
+def load_script(script: str) -> Any:
+    """Imports a training script (e.g. `ppo_mlp.py`) from the repo root as a module."""
+    path = ROOT / script
+    if not path.is_file():
+        raise FileNotFoundError(f"no script {script} in {ROOT}")
+    name = path.stem
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def script_defaults(script: str) -> dict[str, Any]:
+    """{field name: default} of the script's `Args` dataclass: which flags it has."""
+    return {field.name: field.default for field in dataclasses.fields(load_script(script).Args)}
+
+
+def script_for_args(args: dict[str, Any]) -> str:
+    """Which training script wrote an args.json, from its keys."""
+    return "ppo_lstm_impala.py" if "lstm_size" in args else "ppo_mlp.py"
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def flags_for(name: str, value: Any) -> list[str]:
+    """Command-line flags that set one `Args` field, in tyro's spelling."""
+    if isinstance(value, bool):
+        return [flag(name) if value else "--no-" + name.replace("_", "-")]
+    if isinstance(value, (list, tuple)):
+        return [flag(name), *[str(item) for item in value]]
+    return [flag(name), "None" if value is None else str(value)]
+
+
+def split_passthrough(argv: list[str]) -> tuple[list[str], list[str]]:
+    """argv before the first `--` (ours) and after it (passed to every training run)."""
+    if "--" in argv:
+        index = argv.index("--")
+        return argv[:index], argv[index + 1 :]
+    return argv, []
+
+
+# ======================================================================================
+# Running configurations, one subfolder each
+# ======================================================================================
+
+
+class RunResult(NamedTuple):
+    status: str  # "ran", "resumed" (finished earlier, skipped) or "rejected" (exit 2)
+    summary: dict | None
+    message: str = ""
+
+
+def is_finished(run_dir: Path) -> bool:
+    return (run_dir / "summary.json").is_file()
+
+
+def check_out_dir(out_dir: Path, resume: bool) -> str | None:
+    """An error message when out_dir already holds runs and --resume was not given."""
+    if not resume and out_dir.is_dir() and any(path.is_dir() for path in out_dir.iterdir()):
+        return f"--out-dir {out_dir} already holds runs; pass --resume to keep them, or choose another folder"
+    return None
+
+
+def run_once(script: str, flags: list[str], run_dir: Path, extra_flags: list[str]) -> RunResult:
+    """Runs one configuration into run_dir unless a finished run is already there.
+
+    A run dir without summary.json is an interrupted run: it is removed and run again. A script
+    that rejects its flags (exit 2, one `error: ...` line on stderr) gives status "rejected".
+    """
+    if is_finished(run_dir):
+        return RunResult("resumed", json.loads((run_dir / "summary.json").read_text()))
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        return RunResult("ran", run_config(script, flags, run_dir, extra_flags))
+    except RuntimeError as failure:
+        lines = [line for line in str(failure).splitlines() if line.strip()]
+        if lines and lines[-1].startswith("error:") and not run_dir.exists():
+            return RunResult("rejected", None, lines[-1][len("error:") :].strip())
+        raise
+
+
+# ======================================================================================
+# Reading run dirs
+# ======================================================================================
+
+
+class Run(NamedTuple):
+    path: Path
+    args: dict[str, Any]
+    rows: list[dict[str, Any]]  # metrics.jsonl
+    summary: dict[str, Any] | None
+
+
+def read_run(run_dir: str | Path) -> Run:
+    run_dir = Path(run_dir)
+    if not (run_dir / "args.json").is_file() or not (run_dir / "metrics.jsonl").is_file():
+        raise FileNotFoundError(f"{run_dir} is not a run dir (needs args.json and metrics.jsonl)")
+    args = json.loads((run_dir / "args.json").read_text())
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    summary = json.loads((run_dir / "summary.json").read_text()) if is_finished(run_dir) else None
+    return Run(run_dir, args, rows, summary)
+
+
+def metric_table(run: Run, metric: str) -> tuple[np.ndarray, np.ndarray, list[int]]:
+    """(env_steps (C,), values (C, S) with NaN for null, seeds) of one metric over logged cycles."""
+    seeds = sorted({row["seed"] for row in run.rows})
+    cycles = sorted({row["cycle"] for row in run.rows})
+    cycle_index = {cycle: index for index, cycle in enumerate(cycles)}
+    seed_index = {seed: index for index, seed in enumerate(seeds)}
+    env_steps = np.zeros(len(cycles))
+    values = np.full((len(cycles), len(seeds)), np.nan)
+    for row in run.rows:
+        env_steps[cycle_index[row["cycle"]]] = row["env_steps"]
+        value = row.get(metric)
+        if value is not None:
+            values[cycle_index[row["cycle"]], seed_index[row["seed"]]] = value
+    return env_steps, values, seeds
+
+
+def wall_seconds(run: Run) -> np.ndarray:
+    """Seconds from the start of the run (compilation included) at each logged cycle, rebuilt
+    from the per-interval charts/SPS (env steps of all seeds per second)."""
+    env_steps, sps, _ = metric_table(run, "charts/SPS")
+    num_seeds = run.args.get("num_seeds", 1)
+    steps_done = np.diff(np.concatenate([[0.0], env_steps])) * num_seeds
+    rate = np.nanmean(sps, axis=1)
+    compile_seconds = (run.summary or {}).get("compile_seconds", 0.0)
+    return compile_seconds + np.cumsum(steps_done / np.maximum(rate, 1e-9))
+
+
+def area_under_curve(run: Run, metric: str = "charts/episodic_return") -> np.ndarray:
+    """Per seed, the mean of the metric over all logged cycles (cycles without a value skipped)."""
+    _, values, _ = metric_table(run, metric)
+    return np.array([np.nanmean(column) if np.any(~np.isnan(column)) else np.nan for column in values.T])
+
+
+def mean_std(values: Any) -> tuple[float, float]:
+    """Mean and sample std (ddof 1; 0 for one value) of the finite values; NaN when none."""
+    values = np.array([np.nan if value is None else value for value in values], dtype=float)
+    values = values[np.isfinite(values)]
+    if values.size == 0:
+        return math.nan, math.nan
+    return float(values.mean()), float(values.std(ddof=1)) if values.size > 1 else 0.0
+
+
+def differing_labels(all_args: list[dict[str, Any]], fallback: list[str]) -> list[str]:
+    """One label per run: `key=value` for each arg that differs between the runs (e.g.
+    `clip_eps=0.1`); the fallback (e.g. the folder name) when nothing differs or labels collide."""
+    keys = sorted({key for args in all_args for key in args} - NON_EXPERIMENT_ARGS)
+    differing = [key for key in keys if len({json.dumps(args.get(key)) for args in all_args}) > 1]
+    labels = [", ".join(f"{key}={format_value(args.get(key))}" for key in differing) for args in all_args]
+    if not differing or len(set(labels)) < len(labels):
+        return list(fallback)
+    return labels
+
+
+def format_value(value: Any) -> str:
+    if isinstance(value, list):
+        return "x".join(str(item) for item in value)
+    return str(value)
+
+
+def fmt(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None or not math.isfinite(value) else f"{value:,.{digits}f}"
