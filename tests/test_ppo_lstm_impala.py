@@ -274,16 +274,21 @@ def test_next_value_uses_pre_reset_carry(tmp_path, lstm_training):
 
 @pytest.mark.parametrize(
     "lstm_training, extra",
-    [("bptt", {}), ("stored", {}), ("bptt", {"separate_critic": True, "frame_stack": 2})],
+    [("stored", {}), ("bptt", {"separate_critic": True, "frame_stack": 2})],
 )
 def test_first_minibatch_reproduces_rollout_exactly(tmp_path, lstm_training, extra):
     """A tiny target KL stops each cycle after its first minibatch, so the logged approxkl and
     clipfrac are the first minibatch's: exactly 0, as in ppo_mlp.py (ratio exactly 1), with
-    episodes ending mid-rollout (Memory: 6 steps, rollout: 12)."""
+    episodes ending mid-rollout (Memory: 6 steps, rollout: 12). Plain bptt, with two vmapped
+    seeds, is checked in test_determinism_and_seeds_differ."""
     args = tiny_args(tmp_path, env_id=MEMORY_ENV_ID, lstm_training=lstm_training, target_kl=1e-12, **extra)
     ppo.run(args)
+    assert_first_minibatch_exact(args)
+
+
+def assert_first_minibatch_exact(args: ppo.Args) -> None:
     rows = read_metrics(args.run_dir)
-    assert len(rows) == args.num_cycles
+    assert len(rows) == args.num_cycles * args.num_seeds
     for row in rows:
         assert row["losses/actor_approxkl1"] == 0.0
         assert row["losses/actor_approxkl3"] == 0.0
@@ -294,8 +299,9 @@ def test_first_minibatch_reproduces_rollout_exactly(tmp_path, lstm_training, ext
 
 def test_determinism_and_seeds_differ(tmp_path):
     def metrics(name, seed):
-        args = tiny_args(tmp_path, name, env_id=MEMORY_ENV_ID, seed=seed, num_seeds=2)
+        args = tiny_args(tmp_path, name, env_id=MEMORY_ENV_ID, seed=seed, num_seeds=2, target_kl=1e-12)
         ppo.run(args)
+        assert_first_minibatch_exact(args)
         return [{k: v for k, v in row.items() if k != "charts/SPS"} for row in read_metrics(args.run_dir)]
 
     first, again = metrics("a", 1), metrics("b", 1)
