@@ -144,6 +144,12 @@ class Args:
     """output folder; default runs/<env>__<exp-name>__<seed>__<time>"""
     log_every_cycles: int = 1
     """write metrics every this many cycles (the last cycle is always written)"""
+    checkpoint_every_cycles: int | None = None
+    """write RUN_DIR/checkpoint.npz (the full training state) every this many cycles; default:
+    about every 10% of the run"""
+    resume: str | None = None
+    """continue the run in this run dir from its last checkpoint, with its args.json; flags given
+    here may change only logging (--track, --wandb-*, --log-every-cycles, --checkpoint-every-cycles)"""
 
     # --- derived ----------------------------------------------------------------------
     @property
@@ -158,6 +164,10 @@ class Args:
     @property
     def num_cycles(self) -> int:
         return self.num_total_env_steps // self.batch_size
+
+    @property
+    def checkpoint_interval(self) -> int:
+        return self.checkpoint_every_cycles or max(1, self.num_cycles // 10)
 
     @property
     def num_gradient_steps(self) -> int:
@@ -204,6 +214,8 @@ def validate_args(args: Args) -> None:
     for name in ["gamma", "gae_lambda"]:
         if not 0 <= getattr(args, name) <= 1:
             raise ConfigError(f"{flag(name)} must be in [0, 1], got {getattr(args, name)}")
+    if args.checkpoint_every_cycles is not None and args.checkpoint_every_cycles <= 0:
+        raise ConfigError(f"--checkpoint-every-cycles must be a positive integer, got {args.checkpoint_every_cycles}")
     if args.target_kl is not None and not args.target_kl > 0:
         raise ConfigError(f"--target-kl must be > 0 when set, got {args.target_kl}")
     if not args.hidden_sizes or min(args.hidden_sizes) <= 0:
@@ -308,6 +320,8 @@ class TrainState(NamedTuple):
     env: EnvCarry
     key: jax.Array
     cycle: jax.Array  # cycles completed
+    failed_cycle: jax.Array  # 0 while healthy; else the cycle whose update was not finite
+    failed_check: jax.Array  # index into NON_FINITE_CHECKS of what was not finite
 
 
 # ======================================================================================
@@ -557,21 +571,24 @@ def update_cycle(
     batch: Batch,
     key: jax.Array,
     cycle: jax.Array,
+    failed: jax.Array,
     network: ActorCritic,
     optimizer: optax.GradientTransformation,
     args: Args,
-) -> tuple[Any, Any, dict[str, jax.Array]]:
+) -> tuple[Any, Any, dict[str, jax.Array], jax.Array]:
     """K epochs of M minibatch updates on one rollout.
 
-    With --target-kl, a minibatch whose approxkl3 (measured before its update) exceeds the target
-    is not applied, and every later minibatch of the cycle is skipped. Metrics are means over
-    the minibatches actually applied.
+    A minibatch update is not applied, and neither is any later one in the cycle, when:
+    - --target-kl is set and the minibatch's approxkl3 (measured before its update) exceeds it;
+    - its loss or gradient is not finite (the NaN guard). The returned code (index into
+      NON_FINITE_CHECKS, 0 = all finite) then tells the caller to stop training for good.
+    Nothing is applied when `failed` is already set. Metrics are means over applied minibatches.
     """
     num_epochs, num_minibatches = args.num_epochs_per_cycle, args.num_minibatches_per_epoch
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def minibatch_update(carry, minibatch_input):
-        params, opt_state, stopped, metric_sums, num_applied = carry
+        params, opt_state, stopped, non_finite, metric_sums, num_applied = carry
         minibatch, gradient_step = minibatch_input
         learning_rate = linear_schedule(args.lr, gradient_step, args.num_gradient_steps) if args.anneal_lr else jnp.float32(args.lr)
         clip_eps = (
@@ -581,35 +598,31 @@ def update_cycle(
         )
 
         def apply_update(_):
-            (_, metrics), grads = grad_fn(params, minibatch, clip_eps, network, args)
+            (loss, metrics), grads = grad_fn(params, minibatch, clip_eps, network, args)
             metrics["losses/grad_norm"] = optax.tree.norm(grads)  # before clipping
             direction, new_opt_state = optimizer.update(grads, opt_state, params)
             new_params = jax.tree.map(lambda param, step: param - learning_rate * step, params, direction)
-            if args.target_kl is None:
-                return new_params, new_opt_state, jnp.bool_(False), metrics
-            exceeded = metrics["losses/actor_approxkl3"] > args.target_kl
-            keep_old = lambda old, new: jnp.where(exceeded, old, new)  # noqa: E731
-            return (
-                jax.tree.map(keep_old, params, new_params),
-                jax.tree.map(keep_old, opt_state, new_opt_state),
-                exceeded,
-                metrics,
+            code = jnp.where(
+                ~jnp.isfinite(loss), NON_FINITE_CHECKS.index("loss"),
+                jnp.where(~jnp.isfinite(metrics["losses/grad_norm"]), NON_FINITE_CHECKS.index("gradient"), 0),
             )
+            reject = stopped | (code > 0)
+            if args.target_kl is not None:
+                reject = reject | (metrics["losses/actor_approxkl3"] > args.target_kl)
+            keep_old = lambda old, new: jnp.where(reject, old, new)  # noqa: E731
+            return jax.tree.map(keep_old, params, new_params), jax.tree.map(keep_old, opt_state, new_opt_state), reject, code, metrics
 
-        if args.target_kl is None:
-            params, opt_state, _, metrics = apply_update(None)
-            applied = jnp.float32(1.0)
-        else:
-            zero_metrics = jax.tree.map(jnp.zeros_like, metric_sums)
+        def skip(_):
+            return params, opt_state, jnp.bool_(True), jnp.int32(0), jax.tree.map(jnp.zeros_like, metric_sums)
 
-            def skip(_):
-                return params, opt_state, jnp.bool_(True), zero_metrics
-
-            params, opt_state, exceeded, metrics = jax.lax.cond(stopped, skip, apply_update, None)
-            applied = jnp.logical_not(jnp.logical_or(stopped, exceeded)).astype(jnp.float32)
-            stopped = jnp.logical_or(stopped, exceeded)
-        metric_sums = jax.tree.map(lambda total, value: total + applied * value, metric_sums, metrics)
-        return (params, opt_state, stopped, metric_sums, num_applied + applied), None
+        if args.target_kl is None:  # after a NaN the update is computed but not applied (rare)
+            params, opt_state, rejected, code, metrics = apply_update(None)
+        else:  # target-KL stops early often: skip the compute
+            params, opt_state, rejected, code, metrics = jax.lax.cond(stopped, skip, apply_update, None)
+        applied = ~(stopped | rejected)
+        metric_sums = jax.tree.map(lambda total, value: total + jnp.where(applied, value, 0.0), metric_sums, metrics)
+        carry = (params, opt_state, stopped | rejected, jnp.maximum(non_finite, code), metric_sums, num_applied + applied)
+        return carry, None
 
     def epoch(carry, epoch_input):
         epoch_key, epoch_index = epoch_input
@@ -622,14 +635,18 @@ def update_cycle(
         return jax.lax.scan(minibatch_update, carry, (minibatches, gradient_steps))[0], None
 
     metric_sums = {name: jnp.float32(0.0) for name in MINIBATCH_METRIC_NAMES}
-    carry = (params, opt_state, jnp.bool_(False), metric_sums, jnp.float32(0.0))
+    carry = (params, opt_state, failed, jnp.int32(0), metric_sums, jnp.float32(0.0))
     epoch_keys = jax.random.split(key, num_epochs)
-    (params, opt_state, _, metric_sums, num_applied), _ = jax.lax.scan(
+    (params, opt_state, _, non_finite, metric_sums, num_applied), _ = jax.lax.scan(
         epoch, carry, (epoch_keys, jnp.arange(num_epochs))
     )
     metrics = {name: total / jnp.maximum(num_applied, 1.0) for name, total in metric_sums.items()}
     metrics["losses/epochs_run"] = num_applied / num_minibatches
-    return params, opt_state, metrics
+    return params, opt_state, metrics, non_finite
+
+
+# What the NaN guard checks, in order; code 0 means every check passed.
+NON_FINITE_CHECKS = ("none", "loss", "gradient", "parameters")
 
 
 # Metrics averaged over every minibatch applied in a cycle, and everything logged per cycle
@@ -695,7 +712,8 @@ def make_train(args: Args, env: Any, env_params: Any):
         key, params_key, env_key = jax.random.split(key, 3)
         params = network.init(params_key, jnp.zeros((1, *obs_shape), jnp.float32))
         env_carry = reset_envs(env_key, env, env_params, args.num_parallel_envs)
-        return TrainState(params, optimizer.init(params), env_carry, key, jnp.int32(0))
+        zero = jnp.int32(0)
+        return TrainState(params, optimizer.init(params), env_carry, key, zero, zero, zero)
 
     def init(seed: int) -> TrainState:
         return init_one(jax.random.key(seed))
@@ -741,9 +759,17 @@ def make_train(args: Args, env: Any, env_params: Any):
             target=target.reshape(-1),
             action_mask=flat_mask,
         )
-        params, opt_state, metrics = update_cycle(
-            state.params, state.opt_state, batch, update_key, state.cycle, network, optimizer, args
+        failed = state.failed_cycle > 0
+        params, opt_state, metrics, non_finite = update_cycle(
+            state.params, state.opt_state, batch, update_key, state.cycle, failed, network, optimizer, args
         )
+        # NaN guard, last line: parameters must be finite too, or the cycle's updates are undone.
+        params_finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(params)]))
+        non_finite = jnp.where(non_finite > 0, non_finite, jnp.where(params_finite, 0, NON_FINITE_CHECKS.index("parameters")))
+        params, opt_state = jax.tree.map(
+            lambda new, old: jnp.where(params_finite, new, old), (params, opt_state), (state.params, state.opt_state)
+        )
+        newly_failed = ~failed & (non_finite > 0)
         last_step = (state.cycle + 1) * args.num_epochs_per_cycle * args.num_minibatches_per_epoch - 1
         metrics["charts/episodic_return"] = nanmean_or_nan(finished_return)
         metrics["charts/episodic_length"] = nanmean_or_nan(finished_length)
@@ -756,7 +782,15 @@ def make_train(args: Args, env: Any, env_params: Any):
             else jnp.float32(args.clip_eps)
         )
         metrics["losses/explained_variance"] = explained_variance(batch.value, batch.target)
-        new_state = TrainState(params, opt_state, env_carry, key, state.cycle + 1)
+        new_state = TrainState(
+            params,
+            opt_state,
+            env_carry,
+            key,
+            state.cycle + 1,
+            failed_cycle=jnp.where(newly_failed, state.cycle + 1, state.failed_cycle),
+            failed_check=jnp.where(newly_failed, non_finite, state.failed_check),
+        )
         return new_state, metrics
 
     def train_cycle_each_seed(states: TrainState) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -767,12 +801,24 @@ def make_train(args: Args, env: Any, env_params: Any):
             return jax.tree.map(lambda x: x[None], (state, metrics))
         return jax.vmap(train_cycle)(states)
 
-    def train(states: TrainState, log_fn: Callable | None = None):
-        """states: TrainState with a leading seed axis. Returns final states and per-cycle
-        metrics, each (num_cycles, num_seeds)."""
+    def skip_cycle(states: TrainState) -> tuple[TrainState, dict[str, jax.Array]]:
+        """Every seed has failed: nothing to train, just count the cycle (costs nothing)."""
+        nan = jnp.full(states.cycle.shape, jnp.nan)
+        return states._replace(cycle=states.cycle + 1), {name: nan for name in METRIC_NAMES}
+
+    def train(
+        states: TrainState,
+        log_fn: Callable | None = None,
+        checkpoint_fn: Callable | None = None,
+        start_cycle: int = 0,
+    ):
+        """states: TrainState with a leading seed axis, after `start_cycle` cycles. Runs the
+        remaining cycles; returns final states and per-cycle metrics, each (cycles, seeds).
+        log_fn(cycle, values) and checkpoint_fn(cycle, states) are host callbacks."""
 
         def cycle_body(states, _):
-            states, metrics = train_cycle_each_seed(states)
+            all_failed = jnp.all(states.failed_cycle > 0)
+            states, metrics = jax.lax.cond(all_failed, skip_cycle, train_cycle_each_seed, states)
             if log_fn is not None:
                 cycle = states.cycle[0]
                 should_log = jnp.logical_or(cycle % args.log_every_cycles == 0, cycle == args.num_cycles)
@@ -783,11 +829,25 @@ def make_train(args: Args, env: Any, env_params: Any):
                     lambda: jax.debug.callback(log_fn, cycle, values, ordered=True),
                     lambda: None,
                 )
+            if checkpoint_fn is not None:
+                cycle = states.cycle[0]
+                # Never checkpoint after a failure: the last good checkpoint stays on disk.
+                should_save = (cycle % args.checkpoint_interval == 0) & ~jnp.any(states.failed_cycle > 0)
+                host_states = jax.tree.map(key_data_or_array, states)  # callbacks take no PRNG keys
+                jax.lax.cond(
+                    should_save,
+                    lambda: jax.debug.callback(checkpoint_fn, cycle, host_states, ordered=True),
+                    lambda: None,
+                )
             return states, metrics
 
-        return jax.lax.scan(cycle_body, states, None, length=args.num_cycles)
+        return jax.lax.scan(cycle_body, states, None, length=args.num_cycles - start_cycle)
 
     return init, train
+
+
+def key_data_or_array(leaf: jax.Array) -> jax.Array:
+    return jax.random.key_data(leaf) if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf
 
 
 def stack_seeds(trees: list[Any]) -> Any:
@@ -811,9 +871,9 @@ class MetricsLogger:
         self.last_cycle = 0
         self.last_print = 0.0
 
-    def start(self) -> None:
+    def start(self, cycle: int = 0) -> None:
         self.last_time = time.perf_counter()
-        self.last_cycle = 0
+        self.last_cycle = cycle
 
     def __call__(self, cycle: Any, values: Any) -> None:
         """values: (len(METRIC_NAMES), num_seeds), in the order of METRIC_NAMES."""
@@ -925,21 +985,110 @@ def use_unrolled_threefry_on_cpu() -> None:
         pass
 
 
+# Args that may differ when a run is resumed: they change what is logged, not what is trained.
+RESUMABLE_FIELDS = (
+    "track", "wandb_project", "wandb_entity", "wandb_group", "wandb_mode", "run_dir",
+    "log_every_cycles", "checkpoint_every_cycles", "resume", "exp_name",
+)
+
+
+class Checkpointer:
+    """Host side of the checkpoint callback: the full training state of every seed (params,
+    optimizer state, env states, RNG keys, counters) in RUN_DIR/checkpoint.npz. Each write goes
+    to a temporary file that is atomically renamed, so a kill mid-write keeps the previous one."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / "checkpoint.npz"
+
+    def __call__(self, cycle: Any, host_states: Any) -> None:
+        leaves = {f"leaf_{index}": np.asarray(leaf) for index, leaf in enumerate(jax.tree.leaves(host_states))}
+        temporary = self.path.with_suffix(".npz.tmp")
+        with open(temporary, "wb") as file:
+            np.savez(file, cycle=np.asarray(cycle), **leaves)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, self.path)
+
+    def load(self, template: TrainState) -> tuple[TrainState, int]:
+        """The saved states, shaped and typed like `template` (freshly initialised states)."""
+        with np.load(self.path) as saved:
+            template_leaves, treedef = jax.tree.flatten(template)
+            if len(saved.files) != len(template_leaves) + 1:
+                raise ConfigError(f"--resume: {self.path} does not match this script's training state")
+            leaves = []
+            for index, like in enumerate(template_leaves):
+                data = saved[f"leaf_{index}"]
+                if jnp.issubdtype(like.dtype, jax.dtypes.prng_key):
+                    leaves.append(jax.random.wrap_key_data(data, impl=jax.random.key_impl(like)))
+                elif data.shape != like.shape:
+                    raise ConfigError(f"--resume: {self.path} does not match this script's training state")
+                else:
+                    leaves.append(jnp.asarray(data, like.dtype))
+            return jax.tree.unflatten(treedef, leaves), int(saved["cycle"])
+
+
+def prepare_resume(args: Args) -> tuple[Path, Checkpointer]:
+    """Checks that --resume can continue the run in that folder."""
+    run_dir = Path(args.resume)
+    if not (run_dir / "args.json").exists():
+        raise ConfigError(f"--resume {run_dir}: no args.json there, so no run to resume")
+    saved = args_from_json(run_dir / "args.json")
+    for field in dataclasses.fields(Args):
+        if field.name not in RESUMABLE_FIELDS and getattr(args, field.name) != getattr(saved, field.name):
+            raise ConfigError(
+                f"--resume {run_dir}: {flag(field.name)} is {getattr(args, field.name)!r} here but "
+                f"{getattr(saved, field.name)!r} in the run; only logging flags may change"
+            )
+    if (run_dir / "summary.json").exists():
+        raise ConfigError(f"--resume {run_dir}: that run already finished")
+    checkpointer = Checkpointer(run_dir)
+    if not checkpointer.path.exists():
+        raise ConfigError(f"--resume {run_dir}: no checkpoint was written before it stopped; start it again")
+    return run_dir, checkpointer
+
+
+def keep_metrics_up_to(run_dir: Path, last_cycle: int) -> list[dict[str, Any]]:
+    """Drops metrics.jsonl rows logged after the checkpoint (they are logged again on resume)
+    and returns the rows kept."""
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    kept = [row for row in rows if row["cycle"] <= last_cycle]
+    temporary = path.with_suffix(".jsonl.tmp")
+    temporary.write_text("".join(json.dumps(row) + "\n" for row in kept))
+    os.replace(temporary, path)
+    return kept
+
+
 def run(args: Args) -> dict[str, Any]:
-    """Validates, trains, and writes the run dir. Returns the summary."""
+    """Validates, trains (or resumes), and writes the run dir. Returns the summary."""
     validate_args(args)
     use_unrolled_threefry_on_cpu()
     env, env_params = make_env(args.env_id)
-    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args)
-    if (run_dir / "metrics.jsonl").exists():
-        raise ConfigError(f"--run-dir {run_dir} already holds a run; choose another folder")
+    if args.resume:
+        run_dir, checkpointer = prepare_resume(args)
+    else:
+        run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args)
+        if (run_dir / "metrics.jsonl").exists():
+            raise ConfigError(f"--run-dir {run_dir} already holds a run; choose another folder, or --resume it")
+        checkpointer = Checkpointer(run_dir)
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2) + "\n")
+    start = time.perf_counter()
+    init, train = make_train(args, env, env_params)
+    states = stack_seeds([init(args.seed + i) for i in range(args.num_seeds)])
+    start_cycle, kept_rows = 0, []
+    if args.resume:
+        states, start_cycle = checkpointer.load(states)
+        kept_rows = keep_metrics_up_to(run_dir, start_cycle)
+        print(f"resuming {run_dir} from cycle {start_cycle}", flush=True)
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2) + "\n")
+
     wandb_run = None
     if args.track:
         import wandb
 
+        id_file = run_dir / "wandb_id.txt"
         wandb_run = wandb.init(
             project=args.wandb_project,
             entity=args.wandb_entity,
@@ -948,37 +1097,50 @@ def run(args: Args) -> dict[str, Any]:
             mode=args.wandb_mode,
             dir=str(run_dir),
             config=dataclasses.asdict(args),
+            id=id_file.read_text().strip() if id_file.exists() else None,
+            resume="allow",
         )
+        id_file.write_text(wandb_run.id)
     logger = MetricsLogger(args, run_dir, wandb_run)
     print(f"run dir: {run_dir}  |  {args.num_cycles} cycles x {args.batch_size} env steps x {args.num_seeds} seeds", flush=True)
 
-    start = time.perf_counter()
-    init, train = make_train(args, env, env_params)
-    states = stack_seeds([init(args.seed + i) for i in range(args.num_seeds)])
-    train_jit = jax.jit(lambda states: train(states, logger), donate_argnums=0)
+    train_jit = jax.jit(lambda states: train(states, logger, checkpointer, start_cycle), donate_argnums=0)
     compiled = train_jit.lower(states).compile()
     compile_seconds = time.perf_counter() - start
     print(f"compiled in {compile_seconds:.1f} s", flush=True)
 
-    logger.start()
+    logger.start(start_cycle)
     run_start = time.perf_counter()
     states, metrics = compiled(states)
     jax.block_until_ready((states, metrics))
     run_seconds = time.perf_counter() - run_start
     logger.close()
 
-    returns = final_returns(args, np.asarray(metrics["charts/episodic_return"]))
+    episodic_return = np.full((args.num_cycles, args.num_seeds), np.nan)
+    seed_index = {args.seed + i: i for i in range(args.num_seeds)}
+    for row in kept_rows:
+        if row["charts/episodic_return"] is not None:
+            episodic_return[row["cycle"] - 1, seed_index[row["seed"]]] = row["charts/episodic_return"]
+    episodic_return[start_cycle:] = np.asarray(metrics["charts/episodic_return"])
+    returns = final_returns(args, episodic_return)
     finite = [value for value in returns if value is not None]
+    failures = {
+        args.seed + i: {"cycle": int(cycle), "non_finite": NON_FINITE_CHECKS[int(check)]}
+        for i, (cycle, check) in enumerate(zip(np.asarray(states.failed_cycle), np.asarray(states.failed_check)))
+        if cycle > 0
+    }
     summary = {
-        "sps": args.num_cycles * args.batch_size * args.num_seeds / run_seconds,
+        "sps": (args.num_cycles - start_cycle) * args.batch_size * args.num_seeds / run_seconds,
         "compile_seconds": compile_seconds,
         "train_seconds": run_seconds,
         "total_seconds": time.perf_counter() - start,
         "env_steps_per_seed": args.num_cycles * args.batch_size,
         "num_seeds": args.num_seeds,
+        "resumed_from_cycle": start_cycle,
         "final_episodic_return": float(np.mean(finite)) if finite else None,
         "final_episodic_return_per_seed": returns,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux: KiB
+        "failures": failures,
     }
     (run_dir / "params.msgpack").write_bytes(flax.serialization.to_bytes(states.params))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -990,15 +1152,29 @@ def run(args: Args) -> dict[str, Any]:
         f"final return {fmt(summary['final_episodic_return'])}",
         flush=True,
     )
+    for seed, failure in failures.items():
+        print(
+            f"error: seed {seed}: non-finite {failure['non_finite']} at cycle {failure['cycle']}; no update was "
+            f"applied from then on. {run_dir}/params.msgpack holds its last good parameters.",
+            file=sys.stderr,
+        )
     return summary
 
 
 def parse_args(argv: list[str] | None = None) -> Args:
-    """tyro, with its boxed parse errors folded into the one-line `error: ...` (exit code 2)."""
+    """tyro, with its boxed parse errors folded into the one-line `error: ...` (exit code 2).
+    With --resume RUN_DIR, the run's args.json gives the defaults."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    default = None
+    for index, word in enumerate(argv):
+        resume_dir = argv[index + 1] if word == "--resume" and index + 1 < len(argv) else None
+        resume_dir = word.partition("=")[2] if word.startswith("--resume=") else resume_dir
+        if resume_dir and (Path(resume_dir) / "args.json").exists():
+            default = dataclasses.replace(args_from_json(Path(resume_dir) / "args.json"), resume=resume_dir)
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
-            return tyro.cli(Args, args=argv)
+            return tyro.cli(Args, args=argv, default=default)
     except SystemExit as exit_request:
         if exit_request.code in (0, None):
             raise
@@ -1015,11 +1191,11 @@ def parse_args(argv: list[str] | None = None) -> Args:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        run(args)
+        summary = run(args)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    return 0
+    return 1 if summary["failures"] else 0
 
 
 if __name__ == "__main__":

@@ -163,3 +163,15 @@ class ContinuousActions(ConstantReward):
 
     def action_space(self, params=None) -> spaces.Box:
         return spaces.Box(-1.0, 1.0, (1,), jnp.float32)
+
+
+class NonFiniteReward(ConstantReward):
+    """Reward 1, but NaN with probability 1/5000 per step: training must stop updating at once."""
+
+    def reward(self, state, action):
+        return jnp.float32(1.0)
+
+    def step_env(self, key, state, action, params):
+        obs, new_state, reward, terminated, info = super().step_env(key, state, action, params)
+        reward = jnp.where(jax.random.uniform(key) < 2e-4, jnp.nan, reward)
+        return obs, new_state, reward, terminated, info
