@@ -1,0 +1,295 @@
+"""Evaluates the final policy of every seed of a run dir, and optionally writes a GIF.
+
+    python scripts/evaluate.py runs/cartpole --episodes 32 --greedy
+    python scripts/evaluate.py runs/breakout --gif breakout.gif
+
+Reads RUN_DIR/args.json and RUN_DIR/params.msgpack with the training script that wrote them
+(`lstm_size` in args.json means ppo_lstm_impala.py, else ppo_mlp.py), imported from the repo
+root. Each seed plays --episodes episodes in parallel environments (vmapped over envs and seeds,
+one jit); the return of each environment's first episode counts. Prints
+`mean_return: X ± Y` (std over all episodes of all seeds), then one line per seed.
+
+The LSTM's carry is threaded through the steps and reset where an episode starts, and frames
+are stacked, exactly as in training. --gif records the first seed's first episode: MinAtar
+channels as coloured cells, CartPole and Acrobot as a line drawing of the state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runs import ROOT, load_script, script_for_args  # noqa: E402
+
+DEFAULT_MAX_STEPS = 10_000  # for envs whose params have no max_steps_in_episode
+GIF_FRAME_MS = 60
+MINATAR_CELL_PX = 20
+# One colour per MinAtar channel (cycled when an env has more channels); empty cells are black.
+CHANNEL_COLOURS = [
+    (230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48), (145, 30, 180),
+    (70, 240, 240), (240, 50, 230), (210, 245, 60), (250, 190, 212),
+]
+
+
+class UsageError(ValueError):
+    """Printed as one `error: ...` line, exit code 2."""
+
+
+# ======================================================================================
+# Policies of the two scripts: reset, act, observe
+# ======================================================================================
+
+
+class MLPAgent:
+    """ppo_mlp.py: the observation is the whole agent state."""
+
+    def __init__(self, module: Any, args: Any, network: Any, env: Any, env_params: Any):
+        self.module, self.network, self.env, self.env_params = module, network, env, env_params
+        self.mask_actions = module.uses_action_mask(args, env)
+
+    def reset(self, frame):
+        return frame
+
+    def logits(self, params, agent, env_state):
+        logits, _ = self.network.apply(params, agent)
+        if self.mask_actions:
+            import jax
+
+            action_mask = jax.vmap(self.env.action_mask, in_axes=(0, None))(env_state, self.env_params)
+            logits = self.module.masked(logits, action_mask)
+        return logits, agent
+
+    def observe(self, agent, next_frame, done):
+        return next_frame
+
+
+class LSTMAgent:
+    """ppo_lstm_impala.py: (frame stack, episode_start, LSTM carry). `episode_start` is the
+    previous step's done; the network zeroes the carry there before it sees the observation."""
+
+    def __init__(self, module: Any, args: Any, network: Any, env: Any, env_params: Any):
+        self.module, self.args, self.network = module, args, network
+        self.stack_shape = module.stacked_obs_shape(env, env_params, args.frame_stack)
+
+    def reset(self, frame):
+        import jax.numpy as jnp
+
+        num_envs = frame.shape[0]
+        starts = jnp.ones((num_envs,), bool)
+        stack = self.module.push_frame(jnp.zeros((num_envs, *self.stack_shape), jnp.float32), frame, starts)
+        return stack, starts, jnp.zeros((num_envs, self.args.carry_size), jnp.float32)
+
+    def logits(self, params, agent, env_state):
+        stack, starts, carry = agent
+        carries, logits, _ = self.network.apply(params, carry, stack[None], starts[None])  # one step
+        return logits[0], (stack, starts, carries[0])
+
+    def observe(self, agent, next_frame, done):
+        stack, _, carry = agent
+        return self.module.push_frame(stack, next_frame, done), done, carry
+
+
+# ======================================================================================
+# Rollout
+# ======================================================================================
+
+
+def make_rollout(agent: Any, env: Any, env_params: Any, num_envs: int, num_steps: int, greedy: bool):
+    """rollout(params, key) -> per step (T, N): reward, done, and env states and frames (for GIFs)."""
+    import jax
+    import jax.numpy as jnp
+
+    def rollout(params, key):
+        reset_key, key = jax.random.split(key)
+        frame, env_state = jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(reset_key, num_envs), env_params)
+
+        def step(carry, step_key):
+            env_state, frame, agent_state = carry
+            action_key, env_key = jax.random.split(step_key)
+            logits, agent_state = agent.logits(params, agent_state, env_state)
+            if greedy:
+                action = jnp.argmax(logits, axis=-1)
+            else:
+                action = jax.random.categorical(action_key, logits, axis=-1)
+            next_frame, next_state, reward, terminated, truncated, _ = jax.vmap(env.step, in_axes=(0, 0, 0, None))(
+                jax.random.split(env_key, num_envs), env_state, action, env_params
+            )
+            done = jnp.logical_or(terminated, truncated)
+            agent_state = agent.observe(agent_state, next_frame, done)
+            return (next_state, next_frame, agent_state), (reward, done, env_state, frame)
+
+        carry = (env_state, frame, agent.reset(frame))
+        _, outputs = jax.lax.scan(step, carry, jax.random.split(key, num_steps))
+        return outputs
+
+    return rollout
+
+
+def first_episode_returns(reward, done):
+    """reward, done (T, ..., N) -> the return of each env's first episode (NaN if unfinished)."""
+    import jax.numpy as jnp
+
+    before_first_end = jnp.cumsum(done, axis=0) - done == 0  # steps up to and including the first done
+    finished = jnp.any(done, axis=0)
+    return jnp.where(finished, jnp.sum(reward * before_first_end, axis=0), jnp.nan)
+
+
+# ======================================================================================
+# GIF
+# ======================================================================================
+
+
+def minatar_image(frame) -> Any:
+    from PIL import Image
+    import numpy as np
+
+    frame = np.asarray(frame) > 0.5  # (H, W, C) boolean channels
+    image = np.zeros((*frame.shape[:2], 3), np.uint8)
+    for channel in range(frame.shape[-1]):  # later channels paint over earlier ones
+        image[frame[..., channel]] = CHANNEL_COLOURS[channel % len(CHANNEL_COLOURS)]
+    image = image.repeat(MINATAR_CELL_PX, axis=0).repeat(MINATAR_CELL_PX, axis=1)
+    return Image.fromarray(image)
+
+
+def cartpole_image(state, env_params) -> Any:
+    from PIL import Image, ImageDraw
+
+    width, height, scale = 480, 240, 480 / (2 * 2.4 * 1.2)
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    ground = 170
+    draw.line([(0, ground), (width, ground)], fill="black")
+    cart_x = width / 2 + float(state.x) * scale
+    draw.rectangle([cart_x - 25, ground - 15, cart_x + 25, ground + 15], fill=(60, 60, 60))
+    pole = 2 * float(env_params.length) * scale
+    theta = float(state.theta)
+    draw.line([(cart_x, ground - 15), (cart_x + pole * math.sin(theta), ground - 15 - pole * math.cos(theta))],
+              fill=(200, 120, 60), width=8)
+    return image
+
+
+def acrobot_image(state, env_params) -> Any:
+    from PIL import Image, ImageDraw
+
+    size = 300
+    image = Image.new("RGB", (size, size), "white")
+    draw = ImageDraw.Draw(image)
+    scale = size / 2 / 2.2
+    origin = (size / 2, size / 2)
+    angle1, angle2 = float(state.joint_angle1), float(state.joint_angle2)
+    # Angles are measured from straight down; y grows downwards in the image.
+    joint = (origin[0] + scale * math.sin(angle1), origin[1] + scale * math.cos(angle1))
+    tip = (joint[0] + scale * math.sin(angle1 + angle2), joint[1] + scale * math.cos(angle1 + angle2))
+    draw.line([(0, origin[1] - scale), (size, origin[1] - scale)], fill="black")  # the goal height
+    draw.line([origin, joint], fill=(0, 100, 200), width=8)
+    draw.line([joint, tip], fill=(0, 100, 200), width=8)
+    for point in (origin, joint):
+        draw.ellipse([point[0] - 5, point[1] - 5, point[0] + 5, point[1] + 5], fill=(200, 200, 0))
+    return image
+
+
+def frame_renderer(env_id: str, env_params: Any):
+    """A function (env_state, frame) -> PIL image, or None when we cannot draw this env."""
+    if env_id.endswith("-MinAtar"):
+        return lambda state, frame: minatar_image(frame)
+    if env_id == "CartPole-v1":
+        return lambda state, frame: cartpole_image(state, env_params)
+    if env_id == "Acrobot-v1":
+        return lambda state, frame: acrobot_image(state, env_params)
+    return None
+
+
+def write_gif(path: Path, states: Any, frames: Any, done: Any, render) -> int:
+    """One environment's states and frames (T, ...) up to and including its first done."""
+    import jax
+    import numpy as np
+
+    done = np.asarray(done)
+    length = int(np.argmax(done)) + 1 if done.any() else done.shape[0]
+    images = [render(jax.tree.map(lambda x: x[t], states), frames[t]) for t in range(length)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    images[0].save(path, save_all=True, append_images=images[1:], duration=GIF_FRAME_MS, loop=0)
+    return length
+
+
+# ======================================================================================
+# main
+# ======================================================================================
+
+
+def evaluate(run_dir: Path, episodes: int, greedy: bool, seed: int, gif: Path | None) -> int:
+    args_path = run_dir / "args.json"
+    if not args_path.is_file() or not (run_dir / "params.msgpack").is_file():
+        raise UsageError(f"{run_dir} is not a finished run dir (needs args.json and params.msgpack)")
+    script = script_for_args(json.loads(args_path.read_text()))
+    if not (ROOT / script).is_file():
+        raise UsageError(f"{run_dir} was written by {script}, which is not in {ROOT}")
+    if gif is not None and gif.suffix.lower() != ".gif":
+        raise UsageError(f"--gif {gif}: the file name must end in .gif")
+
+    module = load_script(script)
+    args, params = module.load_params(run_dir)
+    env, env_params = module.make_env(args.env_id)
+    render = frame_renderer(args.env_id, env_params) if gif is not None else None
+    if gif is not None and render is None:
+        raise UsageError(f"--gif: cannot draw {args.env_id}; supported: *-MinAtar, CartPole-v1, Acrobot-v1")
+
+    import jax
+    import numpy as np
+
+    network = module.make_network(args, env.action_space(env_params).n)
+    agent = (LSTMAgent if script == "ppo_lstm_impala.py" else MLPAgent)(module, args, network, env, env_params)
+    num_steps = int(getattr(env_params, "max_steps_in_episode", DEFAULT_MAX_STEPS))
+    seeds = [args.seed + index for index in range(args.num_seeds)]
+
+    rollout = make_rollout(agent, env, env_params, episodes, num_steps, greedy)
+    keys = jax.random.split(jax.random.key(seed), len(seeds))
+    returns_of = jax.jit(jax.vmap(lambda p, k: first_episode_returns(*rollout(p, k)[:2])))
+    returns = np.asarray(returns_of(params, keys))  # (seeds, episodes)
+
+    finished = returns[~np.isnan(returns)]
+    mode = "greedy" if greedy else "sampled"
+    if finished.size == 0:
+        print(f"mean_return: nan (no episode finished within {num_steps} steps)")
+    else:
+        print(f"mean_return: {finished.mean():.2f} ± {finished.std():.2f}  ({finished.size} episodes, "
+              f"{len(seeds)} seeds, {mode} actions, {args.env_id}, {script})")
+    for index, run_seed in enumerate(seeds):
+        per_seed = returns[index][~np.isnan(returns[index])]
+        unfinished = episodes - per_seed.size
+        text = f"{per_seed.mean():.2f} ± {per_seed.std():.2f}" if per_seed.size else "nan"
+        print(f"  seed {run_seed}: {text}" + (f" ({unfinished} episodes unfinished)" if unfinished else ""))
+
+    if gif is not None:
+        one_env = make_rollout(agent, env, env_params, 1, num_steps, greedy)
+        first_params = jax.tree.map(lambda x: x[0], params)
+        _, done, states, frames = jax.jit(one_env)(first_params, keys[0])
+        states = jax.tree.map(lambda x: np.asarray(x[:, 0]), states)
+        length = write_gif(gif, states, np.asarray(frames[:, 0]), np.asarray(done[:, 0]), render)
+        print(f"wrote {gif} ({length} frames, seed {seeds[0]})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    parser.add_argument("--episodes", type=int, default=10, help="episodes per seed, run in parallel")
+    parser.add_argument("--greedy", action="store_true", help="argmax actions instead of sampling")
+    parser.add_argument("--gif", type=Path, help="write the first seed's first episode to this .gif")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the evaluation episodes")
+    options = parser.parse_args(argv)
+    if options.episodes < 1:
+        parser.error(f"--episodes must be >= 1, got {options.episodes}")
+    try:
+        return evaluate(options.run_dir, options.episodes, options.greedy, options.seed, options.gif)
+    except UsageError as error:
+        parser.error(str(error))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
