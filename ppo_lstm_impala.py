@@ -33,6 +33,7 @@ import importlib
 import json
 import math
 import re
+import resource
 import sys
 import time
 from pathlib import Path
@@ -116,6 +117,9 @@ class Args:
     """value loss coefficient"""
     target_kl: float | None = None
     """skip the rest of a cycle's updates once a minibatch's approxkl3 exceeds this"""
+    mask_invalid_actions: bool = True
+    """if the env has a method `action_mask(env_state, env_params) -> bool (A,)`, invalid actions
+    get zero probability in the rollout and in the loss (37 details: invalid action masking)"""
 
     # --- network (37 details: 2 orthogonal init, 13 separate networks) ----------------
     impala_channels: tuple[int, ...] = (16, 32, 32)
@@ -339,6 +343,7 @@ class Transition(NamedTuple):
     terminated: jax.Array  # (T, N) bool
     truncated: jax.Array  # (T, N) bool
     final_obs: jax.Array  # (T, N, *obs_shape)
+    action_mask: jax.Array | None  # (T, N, A) bool, or None when actions are not masked
 
 
 class Batch(NamedTuple):
@@ -355,6 +360,7 @@ class Batch(NamedTuple):
     value: jax.Array
     advantage: jax.Array
     target: jax.Array  # GAE return, the value target
+    action_mask: jax.Array | None  # (L, S, A) bool, or None
 
 
 class EnvCarry(NamedTuple):
@@ -517,6 +523,17 @@ class ActorCritic(nn.Module):
         return carries, self.actor_head(actor_features), self.critic_head(critic_features)[..., 0]
 
 
+INVALID_ACTION_LOGIT = -1e9  # exp() is exactly 0, and 0 * logit stays finite in the entropy
+
+
+def masked(logits: jax.Array, action_mask: jax.Array | None) -> jax.Array:
+    return logits if action_mask is None else jnp.where(action_mask, logits, INVALID_ACTION_LOGIT)
+
+
+def uses_action_mask(args: Args, env: Any) -> bool:
+    return args.mask_invalid_actions and callable(getattr(env, "action_mask", None))
+
+
 def make_network(args: Args, num_actions: int) -> ActorCritic:
     return ActorCritic(
         num_actions=num_actions,
@@ -553,6 +570,7 @@ def collect_rollout(
     env: Any,
     env_params: Any,
     num_steps: int,
+    mask_actions: bool,
     store_carries: bool,
 ) -> tuple[EnvCarry, Transition, jax.Array, jax.Array]:
     """Steps N envs for T steps with the current policy, carrying the LSTM state.
@@ -573,7 +591,8 @@ def collect_rollout(
         lstm_carries, logits, _ = network.apply(
             params, carry.lstm_carry, carry.obs[None], carry.episode_start[None]
         )  # one step: (1, N, ...)
-        action = jnp.argmax(logits[0] + step_gumbel, axis=-1)  # Gumbel-max = categorical sample
+        action_mask = jax.vmap(env.action_mask, in_axes=(0, None))(carry.env_state, env_params) if mask_actions else None
+        action = jnp.argmax(masked(logits[0], action_mask) + step_gumbel, axis=-1)  # Gumbel-max = categorical sample
         next_frame, env_state, reward, terminated, truncated, info = jax.vmap(
             env.step, in_axes=(0, 0, 0, None)
         )(step_keys, carry.env_state, action, env_params)
@@ -605,6 +624,7 @@ def collect_rollout(
             terminated=terminated,
             truncated=truncated,
             final_obs=final_obs,
+            action_mask=action_mask,
         )
         return new_carry, (transition, finished_return, finished_length)
 
@@ -637,7 +657,8 @@ def evaluate_rollout(
     carries, logits, value = forward_in_minibatches(
         params, sequence_carry, to_sequences(transitions.obs), sequence_start, network, args.num_minibatches_per_epoch
     )
-    logp = distrax.Categorical(logits=logits).log_prob(to_sequences(transitions.action))
+    action_mask = None if transitions.action_mask is None else to_sequences(transitions.action_mask)
+    logp = distrax.Categorical(logits=masked(logits, action_mask)).log_prob(to_sequences(transitions.action))
     _, _, next_value = forward_in_minibatches(
         params,
         carries.reshape(num_steps * num_envs, args.carry_size),  # carry after obs[t], (T * N, C)
@@ -724,7 +745,7 @@ def loss_fn(params: Any, batch: Batch, clip_eps: jax.Array, network: ActorCritic
     # bptt: replays whole sequences from their first carry with the rollout's resets (gradients
     # flow through time); stored: a one-step forward from each transition's stored carry.
     _, logits, new_value = network.apply(params, batch.carry, batch.obs, batch.episode_start)
-    distribution = distrax.Categorical(logits=logits)
+    distribution = distrax.Categorical(logits=masked(logits, batch.action_mask))
     new_logp = distribution.log_prob(batch.action)
     entropy = distribution.entropy()
     policy_loss, value_loss, metrics = ppo_loss_terms(
@@ -758,7 +779,7 @@ def cut_minibatches(batch: Batch, permutation: jax.Array, num_minibatches: int) 
     """Shuffled minibatches (M, L, S / M, ...) of whole sequences; `carry` (M, S / M, C)."""
     return Batch(
         *(
-            split_sequences(jnp.take(x, permutation, axis=axis), axis, num_minibatches)
+            None if x is None else split_sequences(jnp.take(x, permutation, axis=axis), axis, num_minibatches)
             for x, axis in zip(batch, sequence_axes(batch))
         )
     )
@@ -930,6 +951,7 @@ def make_train(args: Args, env: Any, env_params: Any):
     network = make_network(args, env.action_space(env_params).n)
     optimizer = make_optimizer(args)
     obs_shape = stacked_obs_shape(env, env_params, args.frame_stack)
+    mask_actions = uses_action_mask(args, env)
 
     @jax.jit
     def init_one(key: jax.Array) -> TrainState:
@@ -956,6 +978,7 @@ def make_train(args: Args, env: Any, env_params: Any):
             env,
             env_params,
             args.num_env_steps_per_cycle,
+            mask_actions,
             store_carries=args.lstm_training == "stored",
         )
 
@@ -985,6 +1008,7 @@ def make_train(args: Args, env: Any, env_params: Any):
             value=value,
             advantage=to_sequences(advantage),
             target=to_sequences(target),
+            action_mask=None if transitions.action_mask is None else to_sequences(transitions.action_mask),
         )
         params, opt_state, metrics = update_cycle(
             state.params, state.opt_state, batch, update_key, state.cycle, network, optimizer, args
@@ -1226,6 +1250,7 @@ def run(args: Args) -> dict[str, Any]:
         "num_seeds": args.num_seeds,
         "final_episodic_return": float(np.mean(finite)) if finite else None,
         "final_episodic_return_per_seed": returns,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux: KiB
     }
     (run_dir / "params.msgpack").write_bytes(flax.serialization.to_bytes(states.params))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

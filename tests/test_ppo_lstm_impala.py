@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from probe_envs import Memory, ProbeState
+from probe_envs import MaskedActions, Memory, ProbeState
 from reference import gae_reference, ppo_loss_reference
 
 import ppo_lstm_impala as ppo
@@ -37,6 +37,10 @@ class MemoryJaxTime(Memory):
 
 
 MEMORY_ENV_ID = f"{__name__}:MemoryJaxTime"
+
+
+class MaskedActionsImage(MaskedActions):
+    obs_shape = (3, 3, 1)
 
 
 def tiny_args(tmp_path: Path, name: str = "run", **overrides) -> ppo.Args:
@@ -108,7 +112,7 @@ def test_ppo_loss_terms_matches_reference(clip_vloss, norm_adv):
     shaped = lambda x: jnp.asarray(x).reshape(4, 8)  # noqa: E731
     batch = ppo.Batch(
         obs=None, episode_start=None, carry=None, action=None, logp=shaped(old_logp),
-        value=shaped(old_value), advantage=shaped(advantage), target=shaped(target),
+        value=shaped(old_value), advantage=shaped(advantage), target=shaped(target), action_mask=None,
     )
     policy_loss, value_loss, metrics = ppo.ppo_loss_terms(
         shaped(new_logp), shaped(entropy), shaped(new_value), batch, jnp.float32(0.2), clip_vloss, norm_adv
@@ -205,7 +209,7 @@ def test_rollout_frame_stack_and_final_obs_at_episode_boundaries(tmp_path):
     obs_shape = ppo.stacked_obs_shape(env, env_params, args.frame_stack)
     params = ppo.init_params(network, jax.random.key(0), args, obs_shape)
     env_carry = ppo.reset_envs(jax.random.key(1), env, env_params, args)
-    _, transitions, _, _ = ppo.collect_rollout(params, env_carry, jax.random.key(2), network, env, env_params, 14, True)
+    _, transitions, _, _ = ppo.collect_rollout(params, env_carry, jax.random.key(2), network, env, env_params, 14, False, True)
     obs, final_obs, start = (np.asarray(x) for x in (transitions.obs, transitions.final_obs, transitions.episode_start))
     done = np.asarray(transitions.terminated | transitions.truncated)
     assert done.any() and start[1:].any()  # Memory episodes last 6 steps
@@ -227,6 +231,20 @@ def test_rollout_frame_stack_and_final_obs_at_episode_boundaries(tmp_path):
     assert np.any(np.asarray(transitions.carry)[~start] != 0)
 
 
+def test_invalid_actions_are_never_sampled(tmp_path):
+    args = tiny_args(tmp_path, env_id=f"{__name__}:MaskedActionsImage")
+    env, env_params = ppo.make_env(args.env_id)
+    assert ppo.uses_action_mask(args, env) and not ppo.uses_action_mask(tiny_args(tmp_path, mask_invalid_actions=False), env)
+    network = ppo.make_network(args, 3)
+    params = ppo.init_params(network, jax.random.key(0), args, (3, 3, 1))
+    env_carry = ppo.reset_envs(jax.random.key(1), env, env_params, args)
+    _, transitions, _, _ = ppo.collect_rollout(params, env_carry, jax.random.key(2), network, env, env_params, 12, True, False)
+    assert transitions.action_mask.shape == (12, args.num_parallel_envs, 3)
+    assert np.all(np.asarray(transitions.action) != 0) and np.any(np.asarray(transitions.action) == 2)
+    _, _, logp, _, _ = ppo.evaluate_rollout(params, env_carry.lstm_carry, transitions, network, args)
+    assert np.all(np.isfinite(logp)) and np.all(np.asarray(logp) > np.log(0.4))  # 2 valid actions, ~1/2 each
+
+
 @pytest.mark.parametrize("lstm_training", ["bptt", "stored"])
 def test_next_value_uses_pre_reset_carry(tmp_path, lstm_training):
     """V(final_obs[t]) comes from the carry after obs[t] of the same episode; checked against an
@@ -237,7 +255,7 @@ def test_next_value_uses_pre_reset_carry(tmp_path, lstm_training):
     params = ppo.init_params(network, jax.random.key(0), args, (3, 3, 1))
     env_carry = ppo.reset_envs(jax.random.key(1), env, env_params, args)
     _, transitions, _, _ = ppo.collect_rollout(
-        params, env_carry, jax.random.key(2), network, env, env_params, 12, lstm_training == "stored"
+        params, env_carry, jax.random.key(2), network, env, env_params, 12, False, lstm_training == "stored"
     )
     # The observation is constant, so values differ only through the carry.
     obs = jax.random.uniform(jax.random.key(3), transitions.obs.shape)
