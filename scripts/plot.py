@@ -118,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     if not options.debug_grid and not any(options.metric in row for run in runs for row in run.rows):
         known = sorted({key for run in runs for row in run.rows for key in row} - {"cycle", "env_steps", "seed"})
         parser.error(f"--metric {options.metric} is not in metrics.jsonl; choose from {', '.join(known)}")
-    plot_runs(runs, options.out, options.metric, options.band, debug_grid=options.debug_grid)
-    print(f"wrote {options.out}")
+    labels = differing_labels([run.args for run in runs], [run.path.name for run in runs])
+    plot_runs(runs, options.out, options.metric, options.band, labels=labels, debug_grid=options.debug_grid)
+    print(f"wrote {options.out}: {'; '.join(labels)}")
     return 0
 
 

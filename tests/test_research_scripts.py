@@ -1,0 +1,188 @@
+"""Quick tests of the research scripts (plot, sweep, ablate, evaluate) at tiny budgets.
+
+Training runs are shared through module-scoped fixtures: one sweep (two valid CartPole runs of
+2 seeds and one combination the script rejects) feeds the plot, resume and evaluate tests.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPTS = ROOT / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+from runs import differing_labels, metric_table, read_run  # noqa: E402
+
+TINY = ["--num-total-env-steps", "256", "--num-seeds", "2"]
+SWEEP_GRID = ["--num-parallel-envs", "4", "--num-env-steps-per-cycle", "32", "--num-minibatches-per-epoch", "1", "2", "3"]
+
+
+def run_script(name: str, *arguments: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPTS / name), *arguments], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def sweep_dir(tmp_path_factory) -> Path:
+    out_dir = tmp_path_factory.mktemp("sweep") / "out"
+    result = run_script("sweep.py", "--script", "ppo_mlp.py", *SWEEP_GRID, "--out-dir", str(out_dir), "--", *TINY)
+    assert result.returncode == 0, result.stderr
+    return out_dir
+
+
+def test_sweep_writes_a_row_per_valid_combination_and_skips_the_rejected_one(sweep_dir):
+    rows = list(csv.DictReader(open(sweep_dir / "sweep.csv")))
+    assert [(row["num_minibatches_per_epoch"], row["status"].split(":")[0]) for row in rows] == [
+        ("1", "ran"), ("2", "ran"), ("3", "rejected")]
+    assert "does not divide" in rows[2]["status"]
+    assert all(float(row["sps"]) > 0 and float(row["peak_rss_mb"]) > 0 for row in rows[:2])
+    assert not (sweep_dir / rows[2]["run_dir"]).exists()
+
+    table = (sweep_dir / "sweep.md").read_text()
+    table_rows = [line for line in table.splitlines() if re.match(r"\| \d+ \|", line)]
+    assert [line.split("|")[1].strip() for line in table_rows] == ["1", "2"]
+    assert "num_minibatches_per_epoch=3: rejected" in table
+    assert (sweep_dir / "return_vs_walltime.png").stat().st_size > 0
+
+
+def test_sweep_resume_skips_finished_runs_and_reruns_an_interrupted_one(sweep_dir):
+    finished = sweep_dir / "envs4_steps32_mb1_ep4"
+    interrupted = sweep_dir / "envs4_steps32_mb2_ep4"
+    finished_mtime = (finished / "summary.json").stat().st_mtime_ns
+    (interrupted / "summary.json").unlink()  # as if killed before it finished
+
+    refused = run_script("sweep.py", "--script", "ppo_mlp.py", *SWEEP_GRID, "--out-dir", str(sweep_dir), "--", *TINY)
+    assert refused.returncode == 2 and "--resume" in refused.stderr
+
+    result = run_script("sweep.py", "--script", "ppo_mlp.py", *SWEEP_GRID, "--out-dir", str(sweep_dir), "--resume",
+                        "--", *TINY)
+    assert result.returncode == 0, result.stderr
+    assert "envs4_steps32_mb1_ep4 (resumed)" in result.stdout
+    assert "envs4_steps32_mb2_ep4 (ran)" in result.stdout
+    assert (finished / "summary.json").stat().st_mtime_ns == finished_mtime
+    assert (interrupted / "summary.json").is_file()
+    # One fresh metrics file, not the interrupted run's rows plus the new ones.
+    cycles = [json.loads(line)["cycle"] for line in (interrupted / "metrics.jsonl").read_text().splitlines()]
+    assert cycles == [1, 1, 2, 2]
+
+
+def test_plot_writes_a_png_labelled_by_the_differing_args(sweep_dir, tmp_path):
+    runs = [str(sweep_dir / "envs4_steps32_mb1_ep4"), str(sweep_dir / "envs4_steps32_mb2_ep4")]
+    out = tmp_path / "curves.png"
+    result = run_script("plot.py", *runs, "--out", str(out), "--band", "minmax")
+    assert result.returncode == 0, result.stderr
+    assert out.stat().st_size > 0
+    assert "num_minibatches_per_epoch=1; num_minibatches_per_epoch=2" in result.stdout
+
+    grid = tmp_path / "grid.png"
+    result = run_script("plot.py", *runs, "--out", str(grid), "--debug-grid")
+    assert result.returncode == 0, result.stderr
+    assert grid.stat().st_size > out.stat().st_size  # ten panels, not one
+
+
+def test_labels_and_null_returns():
+    base = {"env_id": "CartPole-v1", "clip_eps": 0.2, "run_dir": "a", "seed": 1}
+    assert differing_labels([base, {**base, "clip_eps": 0.1, "run_dir": "b"}], ["a", "b"]) == ["clip_eps=0.2", "clip_eps=0.1"]
+    assert differing_labels([base, {**base, "run_dir": "b"}], ["a", "b"]) == ["a", "b"]  # only run_dir differs
+
+
+def test_null_returns_are_missing_values_not_zeros(tmp_path):
+    (tmp_path / "args.json").write_text(json.dumps({"num_seeds": 2}))
+    rows = [{"cycle": 1, "env_steps": 8, "seed": 1, "charts/episodic_return": None},
+            {"cycle": 1, "env_steps": 8, "seed": 2, "charts/episodic_return": 10.0}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(row) for row in rows) + "\n")
+    _, values, seeds = metric_table(read_run(tmp_path), "charts/episodic_return")
+    assert seeds == [1, 2] and np.isnan(values[0, 0]) and values[0, 1] == 10.0
+
+
+def test_ablate_table_has_the_baseline_and_the_flipped_details(tmp_path):
+    out_dir = tmp_path / "ablation"
+    result = run_script("ablate.py", "--script", "ppo_mlp.py", "--env-id", "CartPole-v1", "--num-seeds", "2",
+                        "--out-dir", str(out_dir), "--details", "norm-adv", "clip-eps", "frame-stack",
+                        "--", "--num-total-env-steps", "256")
+    assert result.returncode == 0, result.stderr
+    table = (out_dir / "ablation.md").read_text()
+    for row_start in ["| baseline | `(defaults)` |", "| clip-eps | `clip_eps=0.1` |", "| norm-adv | `norm_adv=False` |"]:
+        assert row_start in table
+    assert "`frame-stack`: skipped: the script has no --frame-stack" in table
+    assert json.loads((out_dir / "norm-adv" / "args.json").read_text())["norm_adv"] is False
+    assert json.loads((out_dir / "clip-eps" / "args.json").read_text())["clip_eps"] == 0.1
+    rows = {row["detail"]: row for row in csv.DictReader(open(out_dir / "ablation.csv"))}
+    assert rows["baseline"]["final_rel_pct"] == "0.0" and rows["norm-adv"]["final_mean"]
+    assert rows["frame-stack"]["status"].startswith("skipped")
+    for image in ["ablation.png", "learning_curves.png"]:
+        assert (out_dir / image).stat().st_size > 0
+
+
+def test_evaluate_prints_the_mean_return_per_seed(sweep_dir):
+    result = run_script("evaluate.py", str(sweep_dir / "envs4_steps32_mb1_ep4"), "--episodes", "3", "--greedy")
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^mean_return: \d+\.\d+ ± \d+\.\d+", result.stdout, re.MULTILINE)
+    assert re.search(r"seed 1: .*\n\s+seed 2: ", result.stdout)
+
+
+def test_evaluate_writes_a_gif_of_a_minatar_run(tmp_path):
+    run_dir = tmp_path / "breakout"
+    training = subprocess.run(
+        [sys.executable, str(ROOT / "ppo_mlp.py"), "--env-id", "Breakout-MinAtar", "--num-parallel-envs", "4",
+         "--num-env-steps-per-cycle", "32", "--num-total-env-steps", "128", "--run-dir", str(run_dir)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert training.returncode == 0, training.stderr
+    gif = tmp_path / "breakout.gif"
+    result = run_script("evaluate.py", str(run_dir), "--episodes", "2", "--gif", str(gif))
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^mean_return: ", result.stdout, re.MULTILINE)
+    from PIL import Image
+
+    with Image.open(gif) as image:
+        assert image.n_frames > 1 and image.size == (200, 200)  # 10 x 10 cells of 20 px
+
+
+def test_evaluate_matches_an_lstm_run_with_its_script(tmp_path):
+    """args.json with `lstm_size` must be evaluated by ppo_lstm_impala.py, carry and frame stack included."""
+    if not (ROOT / "ppo_lstm_impala.py").is_file():
+        pytest.skip("ppo_lstm_impala.py is not in the repo")
+    run_dir = tmp_path / "lstm"
+    training = subprocess.run(
+        [sys.executable, str(ROOT / "ppo_lstm_impala.py"), "--env-id", "Breakout-MinAtar", "--num-parallel-envs", "4",
+         "--num-env-steps-per-cycle", "16", "--num-minibatches-per-epoch", "2", "--num-epochs-per-cycle", "1",
+         "--num-total-env-steps", "64", "--impala-channels", "4", "--torso-size", "16", "--lstm-size", "8",
+         "--frame-stack", "2", "--run-dir", str(run_dir)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert training.returncode == 0, training.stderr
+    result = run_script("evaluate.py", str(run_dir), "--episodes", "2")
+    assert result.returncode == 0, result.stderr
+    assert "ppo_lstm_impala.py" in result.stdout and re.search(r"^mean_return: ", result.stdout, re.MULTILINE)
+
+
+@pytest.mark.parametrize(
+    "arguments, message",
+    [
+        (["plot.py", "no/such/run", "--out", "x.png"], "not a run dir"),
+        (["plot.py", "--out", "x.png"], "RUN_DIR"),
+        (["plot.py", ".", "--out", "x.png", "--band", "wide"], "--band"),
+        (["sweep.py", "--num-parallel-envs", "0", "--out-dir", "unused"], "--num-parallel-envs"),
+        (["sweep.py", "--script", "nope.py", "--out-dir", "unused"], "--script"),
+        (["ablate.py", "--details", "nope", "--out-dir", "unused"], "--details"),
+        (["ablate.py", "--num-seeds", "0", "--out-dir", "unused"], "--num-seeds"),
+        (["evaluate.py", "no/such/run"], "not a finished run dir"),
+        (["evaluate.py", ".", "--episodes", "0"], "--episodes"),
+    ],
+)
+def test_bad_arguments_exit_2_with_one_error_line(arguments, message, tmp_path):
+    result = subprocess.run([sys.executable, str(SCRIPTS / arguments[0]), *arguments[1:]], capture_output=True,
+                            text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode == 2
+    error_lines = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(error_lines) == 1 and message in error_lines[0], result.stderr
+    assert not (tmp_path / "unused").exists() and not (tmp_path / "x.png").exists()
