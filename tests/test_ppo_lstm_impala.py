@@ -359,7 +359,7 @@ def test_probe_action_dependent_reward_picks_action_zero(tmp_path):
 
 MEMORY_TASK = dict(
     env_id=MEMORY_ENV_ID, num_parallel_envs=16, num_env_steps_per_cycle=24, num_minibatches_per_epoch=2,
-    num_epochs_per_cycle=4, num_total_env_steps=16 * 24 * 52, lr=3e-3, gamma=0.99, ent_coef=0.01, clip_eps=0.2,
+    num_epochs_per_cycle=4, num_total_env_steps=16 * 24 * 78, lr=3e-3, gamma=0.99, ent_coef=0.01, clip_eps=0.2,
 )
 
 
