@@ -10,7 +10,7 @@ one jit); the return of each environment's first episode counts. Prints
 `mean_return: X ± Y` (std over all episodes of all seeds), then one line per seed.
 
 The LSTM's carry is threaded through the steps and reset where an episode starts, and frames
-are stacked, exactly as in training. --gif records the first seed's first episode: MinAtar
+are stacked, exactly as in training. --gif records the first episode of the first seed's first env: MinAtar
 channels as coloured cells, CartPole and Acrobot as a line drawing of the state.
 """
 
@@ -248,9 +248,17 @@ def evaluate(run_dir: Path, episodes: int, greedy: bool, seed: int, gif: Path | 
     seeds = [args.seed + index for index in range(args.num_seeds)]
 
     rollout = make_rollout(agent, env, env_params, episodes, num_steps, greedy)
+
+    @jax.jit
+    def evaluate_all(params, keys):
+        """Returns (seeds, episodes), and the first seed's first env per step (for the GIF)."""
+        reward, done, states, frames = jax.vmap(rollout)(params, keys)  # (S, T, N, ...)
+        first_env = jax.tree.map(lambda x: x[0, :, 0], (done, states, frames))
+        return jax.vmap(first_episode_returns)(reward, done), first_env
+
     keys = jax.random.split(jax.random.key(seed), len(seeds))
-    returns_of = jax.jit(jax.vmap(lambda p, k: first_episode_returns(*rollout(p, k)[:2])))
-    returns = np.asarray(returns_of(params, keys))  # (seeds, episodes)
+    returns, (gif_done, gif_states, gif_frames) = evaluate_all(params, keys)
+    returns = np.asarray(returns)
 
     finished = returns[~np.isnan(returns)]
     mode = "greedy" if greedy else "sampled"
@@ -266,12 +274,9 @@ def evaluate(run_dir: Path, episodes: int, greedy: bool, seed: int, gif: Path | 
         print(f"  seed {run_seed}: {text}" + (f" ({unfinished} episodes unfinished)" if unfinished else ""))
 
     if gif is not None:
-        one_env = make_rollout(agent, env, env_params, 1, num_steps, greedy)
-        first_params = jax.tree.map(lambda x: x[0], params)
-        _, done, states, frames = jax.jit(one_env)(first_params, keys[0])
-        states = jax.tree.map(lambda x: np.asarray(x[:, 0]), states)
-        length = write_gif(gif, states, np.asarray(frames[:, 0]), np.asarray(done[:, 0]), render)
-        print(f"wrote {gif} ({length} frames, seed {seeds[0]})")
+        states = jax.tree.map(np.asarray, gif_states)
+        length = write_gif(gif, states, np.asarray(gif_frames), np.asarray(gif_done), render)
+        print(f"wrote {gif} ({length} frames, seed {seeds[0]}, first episode)")
     return 0
 
 

@@ -107,7 +107,7 @@ def test_ablate_table_has_the_baseline_and_the_flipped_details(tmp_path):
     out_dir = tmp_path / "ablation"
     result = run_script("ablate.py", "--script", "ppo_mlp.py", "--env-id", "CartPole-v1", "--num-seeds", "2",
                         "--out-dir", str(out_dir), "--details", "norm-adv", "clip-eps", "frame-stack",
-                        "--", "--num-total-env-steps", "256")
+                        "--", "--num-total-env-steps", "256", "--num-env-steps-per-cycle", "32")
     assert result.returncode == 0, result.stderr
     table = (out_dir / "ablation.md").read_text()
     for row_start in ["| baseline | `(defaults)` |", "| clip-eps | `clip_eps=0.1` |", "| norm-adv | `norm_adv=False` |"]:
@@ -122,47 +122,74 @@ def test_ablate_table_has_the_baseline_and_the_flipped_details(tmp_path):
         assert (out_dir / image).stat().st_size > 0
 
 
-def test_evaluate_prints_the_mean_return_per_seed(sweep_dir):
-    result = run_script("evaluate.py", str(sweep_dir / "envs4_steps32_mb1_ep4"), "--episodes", "3", "--greedy")
-    assert result.returncode == 0, result.stderr
-    assert re.search(r"^mean_return: \d+\.\d+ ± \d+\.\d+", result.stdout, re.MULTILINE)
-    assert re.search(r"seed 1: .*\n\s+seed 2: ", result.stdout)
-
-
-def test_evaluate_writes_a_gif_of_a_minatar_run(tmp_path):
+def test_evaluate_prints_the_mean_return_per_seed_and_writes_a_minatar_gif(tmp_path):
     run_dir = tmp_path / "breakout"
     training = subprocess.run(
         [sys.executable, str(ROOT / "ppo_mlp.py"), "--env-id", "Breakout-MinAtar", "--num-parallel-envs", "4",
-         "--num-env-steps-per-cycle", "32", "--num-total-env-steps", "128", "--run-dir", str(run_dir)],
+         "--num-env-steps-per-cycle", "32", "--num-total-env-steps", "128", "--num-seeds", "2", "--run-dir", str(run_dir)],
         capture_output=True, text=True, timeout=300,
     )
     assert training.returncode == 0, training.stderr
     gif = tmp_path / "breakout.gif"
     result = run_script("evaluate.py", str(run_dir), "--episodes", "2", "--gif", str(gif))
     assert result.returncode == 0, result.stderr
-    assert re.search(r"^mean_return: ", result.stdout, re.MULTILINE)
+    assert re.search(r"^mean_return: \d+\.\d+ ± \d+\.\d+ +\(4 episodes, 2 seeds", result.stdout, re.MULTILINE)
+    assert re.search(r"seed 1: .*\n\s+seed 2: ", result.stdout)
     from PIL import Image
 
     with Image.open(gif) as image:
         assert image.n_frames > 1 and image.size == (200, 200)  # 10 x 10 cells of 20 px
 
 
-def test_evaluate_matches_an_lstm_run_with_its_script(tmp_path):
-    """args.json with `lstm_size` must be evaluated by ppo_lstm_impala.py, carry and frame stack included."""
-    if not (ROOT / "ppo_lstm_impala.py").is_file():
-        pytest.skip("ppo_lstm_impala.py is not in the repo")
-    run_dir = tmp_path / "lstm"
-    training = subprocess.run(
-        [sys.executable, str(ROOT / "ppo_lstm_impala.py"), "--env-id", "Breakout-MinAtar", "--num-parallel-envs", "4",
-         "--num-env-steps-per-cycle", "16", "--num-minibatches-per-epoch", "2", "--num-epochs-per-cycle", "1",
-         "--num-total-env-steps", "64", "--impala-channels", "4", "--torso-size", "16", "--lstm-size", "8",
-         "--frame-stack", "2", "--run-dir", str(run_dir)],
-        capture_output=True, text=True, timeout=300,
-    )
-    assert training.returncode == 0, training.stderr
-    result = run_script("evaluate.py", str(run_dir), "--episodes", "2")
+def lstm_run_dir(run_dir: Path, num_seeds: int = 2):
+    """A run dir as ppo_lstm_impala.py writes it (args.json, params.msgpack of freshly initialised
+    seeds), made with the script's own functions, without compiling a training run."""
+    import dataclasses
+
+    import flax.serialization
+    import jax
+    import ppo_lstm_impala as lstm
+
+    args = lstm.Args(env_id="Breakout-MinAtar", num_seeds=num_seeds, impala_channels=(4,), torso_size=16, lstm_size=8,
+                     frame_stack=2, run_dir=str(run_dir))
+    env, env_params = lstm.make_env(args.env_id)
+    network = lstm.make_network(args, env.action_space(env_params).n)
+    obs_shape = lstm.stacked_obs_shape(env, env_params, args.frame_stack)
+    params = lstm.stack_seeds([lstm.init_params(network, jax.random.key(seed), args, obs_shape) for seed in range(num_seeds)])
+    run_dir.mkdir(parents=True)
+    (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args)))
+    (run_dir / "params.msgpack").write_bytes(flax.serialization.to_bytes(params))
+    return lstm, args, env, env_params, network, params
+
+
+@pytest.mark.skipif(not (ROOT / "ppo_lstm_impala.py").is_file(), reason="ppo_lstm_impala.py is not in the repo")
+def test_evaluate_uses_the_lstm_script_and_resets_the_carry_at_episode_starts(tmp_path):
+    import jax
+    import jax.numpy as jnp
+    from evaluate import LSTMAgent
+
+    lstm, args, env, env_params, network, params = lstm_run_dir(tmp_path / "lstm")
+    result = run_script("evaluate.py", str(tmp_path / "lstm"), "--episodes", "2")
     assert result.returncode == 0, result.stderr
     assert "ppo_lstm_impala.py" in result.stdout and re.search(r"^mean_return: ", result.stdout, re.MULTILINE)
+
+    agent = LSTMAgent(lstm, args, network, env, env_params)
+    seed_params = jax.tree.map(lambda x: x[0], params)
+    frame, env_state = jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(jax.random.key(0), 3), env_params)
+    stack, starts, carry = agent.reset(frame)
+    assert stack.shape[-1] == 2 * frame.shape[-1] and bool(starts.all()) and not carry.any()
+    logits, (_, _, next_carry) = agent.logits(seed_params, (stack, starts, carry), env_state)
+    assert next_carry.any()  # the carry is threaded on
+    # Where an episode starts, whatever carry came in is ignored; elsewhere it matters.
+    noisy_carry = jax.random.normal(jax.random.key(1), carry.shape)
+    noisy_logits, _ = agent.logits(seed_params, (stack, starts, noisy_carry), env_state)
+    assert jnp.allclose(logits, noisy_logits)
+    noisy_logits, _ = agent.logits(seed_params, (stack, jnp.zeros_like(starts), noisy_carry), env_state)
+    assert not jnp.allclose(logits, noisy_logits)
+    # observe: the next step's episode_start is this step's done.
+    done = jnp.array([True, False, False])
+    _, next_starts, _ = agent.observe((stack, starts, next_carry), frame, done)
+    assert (next_starts == done).all()
 
 
 @pytest.mark.parametrize(
