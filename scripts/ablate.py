@@ -29,7 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plot import plot_runs  # noqa: E402
+from plot import default_window, draw_curve  # noqa: E402
 from runs import (  # noqa: E402
     ROOT,
     area_under_curve,
@@ -37,6 +37,7 @@ from runs import (  # noqa: E402
     flags_for,
     fmt,
     mean_std,
+    metric_table,
     read_run,
     run_once,
     script_defaults,
@@ -157,8 +158,33 @@ def write_outputs(out_dir: Path, rows: list[dict[str, Any]], header: str) -> Non
     figure.savefig(out_dir / "ablation.png", dpi=110)
     plt.close(figure)
 
-    plot_runs([row["run"] for row in finished], out_dir / "learning_curves.png",
-              labels=[row["detail"] for row in finished])
+    plot_against_baseline(finished, out_dir / "learning_curves.png")
+
+
+def plot_against_baseline(rows: list[dict[str, Any]], out: Path, metric: str = "charts/episodic_return") -> None:
+    """One panel per detail: its learning curve against the baseline's (mean ± std over seeds)."""
+    baseline, details = rows[0], rows[1:] or rows[:1]
+    window = default_window([row["run"] for row in rows])
+    num_columns = min(len(details), 4)
+    num_rows = math.ceil(len(details) / num_columns)
+    figure, axes = plt.subplots(num_rows, num_columns, figsize=(3.6 * num_columns, 2.6 * num_rows + 0.5),
+                                sharex=True, sharey=True, squeeze=False)
+    base_steps, base_values, _ = metric_table(baseline["run"], metric)
+    for ax, row in zip(axes.flat, details):
+        draw_curve(ax, base_steps, base_values, "baseline", "std", window, color="tab:gray")
+        env_steps, values, _ = metric_table(row["run"], metric)
+        draw_curve(ax, env_steps, values, row["detail"], "std", window, color="tab:blue")
+        ax.set_title(f"{row['detail']}: {row['change']}", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=7)
+    for ax in list(axes.flat)[len(details) :]:
+        ax.axis("off")
+    smoothing = f", moving average of {window} cycles" if window > 1 else ""
+    figure.suptitle(f"{metric} vs env steps per seed; blue: detail flipped, gray: baseline; "
+                    f"mean ± std over {baseline['num_seeds']} seeds{smoothing}", fontsize=9)
+    figure.tight_layout()
+    figure.savefig(out, dpi=110)
+    plt.close(figure)
 
 
 def main(argv: list[str] | None = None) -> int:

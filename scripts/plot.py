@@ -2,7 +2,7 @@
 
     python scripts/plot.py runs/a runs/b --out curves.png
     python scripts/plot.py runs/a runs/b --out kl.png --metric losses/actor_approxkl3 --band minmax
-    python scripts/plot.py runs/a --out debug.png --debug-grid
+    python scripts/plot.py runs/a --out debug.png --debug-grid --smooth 20
 
 One curve per run dir, labelled by the args that differ between the run dirs' args.json (e.g.
 `clip_eps=0.1`). Cycles in which no episode finished have a null return: they are skipped, never
@@ -39,9 +39,28 @@ DEBUG_METRICS = (
 )
 
 
-def draw_curve(ax, x: np.ndarray, values: np.ndarray, label: str, band: str) -> None:
+def smooth(values: np.ndarray, window: int) -> np.ndarray:
+    """Trailing moving average over the last `window` logged cycles, per seed, of the non-null
+    values only (NaN where the window holds none)."""
+    if window <= 1:
+        return values
+    present = ~np.isnan(values)
+    sums = np.cumsum(np.where(present, values, 0.0), axis=0)
+    counts = np.cumsum(present, axis=0)
+    sums[window:] = sums[window:] - sums[:-window]
+    counts[window:] = counts[window:] - counts[:-window]
+    return np.where(counts > 0, sums / np.maximum(counts, 1), np.nan)
+
+
+def default_window(runs: list[Run]) -> int:
+    """A moving-average window of about 1% of the longest run's logged cycles."""
+    return max(1, max(len({row["cycle"] for row in run.rows}) for run in runs) // 100)
+
+
+def draw_curve(ax, x: np.ndarray, values: np.ndarray, label: str, band: str, window: int = 1, **line_style) -> None:
     """values (C, S): the mean over seeds, and std or min-max over seeds as a band; cycles where
     every seed is null are left out."""
+    values = smooth(values, window)
     keep = np.any(~np.isnan(values), axis=1)
     x, values = x[keep], values[keep]
     if x.size == 0:
@@ -52,16 +71,16 @@ def draw_curve(ax, x: np.ndarray, values: np.ndarray, label: str, band: str) -> 
         low, high = mean - spread, mean + spread
     else:
         low, high = np.nanmin(values, axis=1), np.nanmax(values, axis=1)
-    (line,) = ax.plot(x, mean, label=label, linewidth=1.2)
+    (line,) = ax.plot(x, mean, label=label, linewidth=1.2, **line_style)
     ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
 
 
-def plot_metric(ax, runs: list[Run], labels: list[str], metric: str, band: str, x_of=None) -> None:
+def plot_metric(ax, runs: list[Run], labels: list[str], metric: str, band: str, x_of=None, window: int = 1) -> None:
     """x_of(run) -> x values per logged cycle; default env steps."""
     for run, label in zip(runs, labels):
         env_steps, values, seeds = metric_table(run, metric)
         x = env_steps if x_of is None else x_of(run)
-        draw_curve(ax, x, values, f"{label} ({len(seeds)} seeds)" if len(seeds) > 1 else label, band)
+        draw_curve(ax, x, values, f"{label} ({len(seeds)} seeds)" if len(seeds) > 1 else label, band, window)
     ax.set_title(metric, fontsize=9)
     ax.grid(alpha=0.3)
 
@@ -75,6 +94,7 @@ def plot_runs(
     debug_grid: bool = False,
     x_of=None,
     x_label: str = "env steps (per seed)",
+    window: int = 1,
 ) -> None:
     labels = labels or differing_labels([run.args for run in runs], [run.path.name for run in runs])
     metrics = DEBUG_METRICS if debug_grid else (metric,)
@@ -82,20 +102,19 @@ def plot_runs(
     num_rows = math.ceil(len(metrics) / num_columns)
     figure, axes = plt.subplots(num_rows, num_columns, figsize=(4.2 * num_columns + 1, 3.2 * num_rows + 0.6), squeeze=False)
     for ax, name in zip(axes.flat, metrics):
-        plot_metric(ax, runs, labels, name, band, x_of)
+        plot_metric(ax, runs, labels, name, band, x_of, window)
         ax.set_xlabel(x_label, fontsize=8)
     for ax in list(axes.flat)[len(metrics) :]:
         ax.axis("off")
+    figure.tight_layout()
     handles, legend_labels = axes.flat[0].get_legend_handles_labels()
     if handles:
         band_name = "±1 std over seeds" if band == "std" else "min-max over seeds"
-        figure.legend(handles, legend_labels, loc="lower center", ncol=min(len(handles), 3), fontsize=8,
-                      title=f"mean, band: {band_name}", title_fontsize=8, bbox_to_anchor=(0.5, 0.0))
-        figure.tight_layout(rect=(0, 0.06 + 0.035 * math.ceil(len(handles) / 3), 1, 1))
-    else:
-        figure.tight_layout()
+        smoothing = f", moving average of {window} logged cycles" if window > 1 else ""
+        figure.legend(handles, legend_labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8,
+                      title=f"mean, band: {band_name}{smoothing}", title_fontsize=8)
     out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=110)
+    figure.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(figure)
 
 
@@ -106,7 +125,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--metric", default="charts/episodic_return", help="a metrics.jsonl key")
     parser.add_argument("--band", choices=["std", "minmax"], default="std", help="band over seeds")
     parser.add_argument("--debug-grid", action="store_true", help="a grid of the loss and debug metrics instead")
+    parser.add_argument("--smooth", type=int, default=1, metavar="CYCLES",
+                        help="moving average over this many logged cycles, per seed (default 1: none)")
     options = parser.parse_args(argv)
+    if options.smooth < 1:
+        parser.error(f"--smooth must be >= 1, got {options.smooth}")
     if options.out.suffix.lower() not in {".png", ".pdf", ".svg"}:
         parser.error(f"--out {options.out}: use a .png, .pdf or .svg file name")
     runs = []
@@ -119,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         known = sorted({key for run in runs for row in run.rows for key in row} - {"cycle", "env_steps", "seed"})
         parser.error(f"--metric {options.metric} is not in metrics.jsonl; choose from {', '.join(known)}")
     labels = differing_labels([run.args for run in runs], [run.path.name for run in runs])
-    plot_runs(runs, options.out, options.metric, options.band, labels=labels, debug_grid=options.debug_grid)
+    plot_runs(runs, options.out, options.metric, options.band, labels=labels, debug_grid=options.debug_grid,
+              window=options.smooth)
     print(f"wrote {options.out}: {'; '.join(labels)}")
     return 0
 
