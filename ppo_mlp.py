@@ -47,6 +47,7 @@ import numpy as np
 import optax
 import tyro
 from gymnax.environments import spaces
+from jax.sharding import PartitionSpec as P
 
 # ======================================================================================
 # Args
@@ -129,6 +130,14 @@ class Args:
     """orthogonal init (gain sqrt(2) hidden, 0.01 actor head, 1.0 critic head, zero biases);
     off: flax's default init"""
 
+    # --- scale (37 details, auxiliary: parallelized gradient update) ----------------------
+    num_devices: int = 1
+    """devices to split the parallel envs across (0 = every device); each computes gradients on
+    its share of every minibatch, and they are averaged (pmean) before the optimizer step"""
+    distributed: bool = False
+    """multi-host: call jax.distributed.initialize() (from the cluster's environment variables)
+    so that --num-devices spans every host's devices"""
+
     # --- logging ----------------------------------------------------------------------
     track: bool = False
     """log to Weights & Biases"""
@@ -193,6 +202,8 @@ def validate_args(args: Args) -> None:
     for name in positive_ints:
         if getattr(args, name) <= 0:
             raise ConfigError(f"{flag(name)} must be a positive integer, got {getattr(args, name)}")
+    if args.num_devices < 0:
+        raise ConfigError(f"--num-devices must be >= 0 (0 = every device), got {args.num_devices}")
     if args.seed < 0:
         raise ConfigError(f"--seed must be >= 0, got {args.seed}")
     if args.batch_size % args.num_minibatches_per_epoch != 0:
@@ -407,6 +418,18 @@ def make_network(args: Args, num_actions: int) -> ActorCritic:
 # ======================================================================================
 
 
+DEVICE_AXIS = "devices"  # the shard_map axis that splits the parallel envs across devices
+
+
+def mean_over_devices(x: Any, axis_name: str | None) -> Any:
+    """The mean of every device's value under shard_map; the value itself on one device."""
+    return x if axis_name is None else jax.lax.pmean(x, axis_name)
+
+
+def sum_over_devices(x: Any, axis_name: str | None) -> Any:
+    return x if axis_name is None else jax.lax.psum(x, axis_name)
+
+
 def linear_schedule(start: float, step: jax.Array, num_steps: int) -> jax.Array:
     """`start` at step 0, falling linearly to exactly 0 at step num_steps - 1, never below."""
     fraction = 1.0 - step / max(num_steps - 1, 1)
@@ -507,6 +530,7 @@ def ppo_loss_terms(
     clip_eps: jax.Array,
     clip_vloss: bool,
     norm_adv: bool,
+    axis_name: str | None = None,
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """Clipped surrogate and value losses on one minibatch (37 details: 7, 8, 9).
 
@@ -514,8 +538,10 @@ def ppo_loss_terms(
     policy_loss - ent_coef * entropy + vf_coef * value_loss.
     """
     advantage = batch.advantage
-    if norm_adv:
-        advantage = (advantage - advantage.mean()) / (advantage.std() + 1e-8)
+    if norm_adv:  # over the whole minibatch, every device's share of it included
+        mean = mean_over_devices(advantage.mean(), axis_name)
+        std = jnp.sqrt(mean_over_devices(((advantage - mean) ** 2).mean(), axis_name))
+        advantage = (advantage - mean) / (std + 1e-8)
     logratio = new_logp - batch.logp
     ratio = jnp.exp(logratio)
     surrogate = ratio * advantage
@@ -542,13 +568,13 @@ def ppo_loss_terms(
     return policy_loss, value_loss, metrics
 
 
-def loss_fn(params: Any, batch: Batch, clip_eps: jax.Array, network: ActorCritic, args: Args):
+def loss_fn(params: Any, batch: Batch, clip_eps: jax.Array, network: ActorCritic, args: Args, axis_name: str | None):
     logits, new_value = network.apply(params, batch.obs)
     distribution = distrax.Categorical(logits=masked(logits, batch.action_mask))
     new_logp = distribution.log_prob(batch.action)
     entropy = distribution.entropy()
     policy_loss, value_loss, metrics = ppo_loss_terms(
-        new_logp, entropy, new_value, batch, clip_eps, args.clip_vloss, args.norm_adv
+        new_logp, entropy, new_value, batch, clip_eps, args.clip_vloss, args.norm_adv, axis_name
     )
     total = policy_loss - args.ent_coef * entropy.mean() + args.vf_coef * value_loss
     return total, metrics
@@ -575,6 +601,7 @@ def update_cycle(
     network: ActorCritic,
     optimizer: optax.GradientTransformation,
     args: Args,
+    axis_name: str | None = None,
 ) -> tuple[Any, Any, dict[str, jax.Array], jax.Array]:
     """K epochs of M minibatch updates on one rollout.
 
@@ -583,8 +610,11 @@ def update_cycle(
     - its loss or gradient is not finite (the NaN guard). The returned code (index into
       NON_FINITE_CHECKS, 0 = all finite) then tells the caller to stop training for good.
     Nothing is applied when `failed` is already set. Metrics are means over applied minibatches.
+    Under shard_map (axis_name set) `batch` is this device's share; gradients, losses and metrics
+    are averaged over devices, so every device takes the same step.
     """
     num_epochs, num_minibatches = args.num_epochs_per_cycle, args.num_minibatches_per_epoch
+    batch_size = batch.action.shape[0]  # this device's share of the seed's batch
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def minibatch_update(carry, minibatch_input):
@@ -598,7 +628,8 @@ def update_cycle(
         )
 
         def apply_update(_):
-            (loss, metrics), grads = grad_fn(params, minibatch, clip_eps, network, args)
+            (loss, metrics), grads = grad_fn(params, minibatch, clip_eps, network, args, axis_name)
+            loss, metrics, grads = mean_over_devices((loss, metrics, grads), axis_name)
             metrics["losses/grad_norm"] = optax.tree.norm(grads)  # before clipping
             direction, new_opt_state = optimizer.update(grads, opt_state, params)
             new_params = jax.tree.map(lambda param, step: param - learning_rate * step, params, direction)
@@ -626,9 +657,9 @@ def update_cycle(
 
     def epoch(carry, epoch_input):
         epoch_key, epoch_index = epoch_input
-        permutation = epoch_permutation(epoch_key, args.batch_size)
+        permutation = epoch_permutation(epoch_key, batch_size)
         minibatches = jax.tree.map(
-            lambda x: x[permutation].reshape(num_minibatches, args.minibatch_size, *x.shape[1:]), batch
+            lambda x: x[permutation].reshape(num_minibatches, batch_size // num_minibatches, *x.shape[1:]), batch
         )
         first_step = (cycle * num_epochs + epoch_index) * num_minibatches
         gradient_steps = first_step + jnp.arange(num_minibatches)
@@ -672,16 +703,24 @@ METRIC_NAMES = (
 )
 
 
-def explained_variance(prediction: jax.Array, target: jax.Array) -> jax.Array:
-    """1 - Var(target - prediction) / Var(target); NaN when the target is constant."""
-    target_variance = jnp.var(target)
-    return jnp.where(target_variance == 0, jnp.nan, 1.0 - jnp.var(target - prediction) / target_variance)
+def explained_variance(prediction: jax.Array, target: jax.Array, axis_name: str | None = None) -> jax.Array:
+    """1 - Var(target - prediction) / Var(target) over every device's batch; NaN when the
+    target is constant."""
+
+    def variance(x):
+        mean = mean_over_devices(x.mean(), axis_name)
+        return mean_over_devices(((x - mean) ** 2).mean(), axis_name)
+
+    target_variance = variance(target)
+    return jnp.where(target_variance == 0, jnp.nan, 1.0 - variance(target - prediction) / target_variance)
 
 
-def nanmean_or_nan(x: jax.Array) -> jax.Array:
-    """Mean over the non-NaN entries (finished episodes only); NaN when there are none."""
-    count = jnp.sum(~jnp.isnan(x))
-    return jnp.where(count > 0, jnp.nansum(x) / jnp.maximum(count, 1), jnp.nan)
+def nanmean_or_nan(x: jax.Array, axis_name: str | None = None) -> jax.Array:
+    """Mean over the non-NaN entries (finished episodes only) of every device; NaN when there
+    are none."""
+    count = sum_over_devices(jnp.sum(~jnp.isnan(x)), axis_name)
+    total = sum_over_devices(jnp.nansum(x), axis_name)
+    return jnp.where(count > 0, total / jnp.maximum(count, 1), jnp.nan)
 
 
 # ======================================================================================
@@ -695,13 +734,23 @@ def reset_envs(key: jax.Array, env: Any, env_params: Any, num_envs: int) -> EnvC
     return EnvCarry(env_state, obs, zeros, jnp.zeros((num_envs,), jnp.int32))
 
 
-def make_train(args: Args, env: Any, env_params: Any):
+def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | None = None):
     """Returns (init, train).
 
     init(seed) -> TrainState for one seed, in Python, one seed at a time: parameter init is never
     vmapped, which keeps batched QR factorizations out of the program (see the XLA_FLAGS note).
-    train(states, log_fn) runs every cycle for a stack of seeds; it is meant to be jitted.
+    train(states, log_fn, checkpoint_fn, start_cycle) runs the cycles for a stack of seeds; it is
+    meant to be jitted. With a mesh, each cycle runs under shard_map: every device steps its
+    share of the envs, and gradients and metrics are averaged across devices.
     """
+    num_devices = 1 if mesh is None else mesh.size
+    axis_name = None if mesh is None else DEVICE_AXIS
+    local_envs = args.num_parallel_envs // num_devices
+
+    def per_device(key: jax.Array) -> jax.Array:
+        """Different random numbers on each device (only when there are several)."""
+        return key if num_devices == 1 else jax.random.fold_in(key, jax.lax.axis_index(DEVICE_AXIS))
+
     network = make_network(args, env.action_space(env_params).n)
     optimizer = make_optimizer(args)
     obs_shape = env.observation_space(env_params).shape
@@ -720,9 +769,10 @@ def make_train(args: Args, env: Any, env_params: Any):
 
     def train_cycle(state: TrainState) -> tuple[TrainState, dict[str, jax.Array]]:
         key, reset_key, rollout_key, update_key = jax.random.split(state.key, 4)
+        reset_key, rollout_key, update_key = per_device(reset_key), per_device(rollout_key), per_device(update_key)
         env_carry = state.env
         if args.reset_envs_each_cycle:
-            env_carry = reset_envs(reset_key, env, env_params, args.num_parallel_envs)
+            env_carry = reset_envs(reset_key, env, env_params, local_envs)
 
         env_carry, transitions, finished_return, finished_length = collect_rollout(
             state.params, env_carry, rollout_key, network, env, env_params, args.num_env_steps_per_cycle, mask_actions
@@ -761,7 +811,7 @@ def make_train(args: Args, env: Any, env_params: Any):
         )
         failed = state.failed_cycle > 0
         params, opt_state, metrics, non_finite = update_cycle(
-            state.params, state.opt_state, batch, update_key, state.cycle, failed, network, optimizer, args
+            state.params, state.opt_state, batch, update_key, state.cycle, failed, network, optimizer, args, axis_name
         )
         # NaN guard, last line: parameters must be finite too, or the cycle's updates are undone.
         params_finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(params)]))
@@ -771,8 +821,8 @@ def make_train(args: Args, env: Any, env_params: Any):
         )
         newly_failed = ~failed & (non_finite > 0)
         last_step = (state.cycle + 1) * args.num_epochs_per_cycle * args.num_minibatches_per_epoch - 1
-        metrics["charts/episodic_return"] = nanmean_or_nan(finished_return)
-        metrics["charts/episodic_length"] = nanmean_or_nan(finished_length)
+        metrics["charts/episodic_return"] = nanmean_or_nan(finished_return, axis_name)
+        metrics["charts/episodic_length"] = nanmean_or_nan(finished_length, axis_name)
         metrics["charts/learning_rate"] = (
             linear_schedule(args.lr, last_step, args.num_gradient_steps) if args.anneal_lr else jnp.float32(args.lr)
         )
@@ -781,7 +831,7 @@ def make_train(args: Args, env: Any, env_params: Any):
             if args.anneal_clip_eps
             else jnp.float32(args.clip_eps)
         )
-        metrics["losses/explained_variance"] = explained_variance(batch.value, batch.target)
+        metrics["losses/explained_variance"] = explained_variance(batch.value, batch.target, axis_name)
         new_state = TrainState(
             params,
             opt_state,
@@ -816,9 +866,20 @@ def make_train(args: Args, env: Any, env_params: Any):
         remaining cycles; returns final states and per-cycle metrics, each (cycles, seeds).
         log_fn(cycle, values) and checkpoint_fn(cycle, states) are host callbacks."""
 
-        def cycle_body(states, _):
+        def one_cycle(states):
             all_failed = jnp.all(states.failed_cycle > 0)
-            states, metrics = jax.lax.cond(all_failed, skip_cycle, train_cycle_each_seed, states)
+            return jax.lax.cond(all_failed, skip_cycle, train_cycle_each_seed, states)
+
+        if mesh is not None:
+            specs = state_partition_specs()
+            one_cycle = jax.shard_map(one_cycle, mesh=mesh, in_specs=(specs,), out_specs=(specs, P()))
+
+        # JAX orders host callbacks on one device only; on several, each row and checkpoint
+        # carries its cycle number, and the checkpointer never goes back in time.
+        ordered = mesh is None
+
+        def cycle_body(states, _):
+            states, metrics = one_cycle(states)
             if log_fn is not None:
                 cycle = states.cycle[0]
                 should_log = jnp.logical_or(cycle % args.log_every_cycles == 0, cycle == args.num_cycles)
@@ -826,7 +887,7 @@ def make_train(args: Args, env: Any, env_params: Any):
                 values = jnp.stack([metrics[name] for name in METRIC_NAMES])  # (metrics, seeds)
                 jax.lax.cond(
                     should_log,
-                    lambda: jax.debug.callback(log_fn, cycle, values, ordered=True),
+                    lambda: jax.debug.callback(log_fn, cycle, values, ordered=ordered),
                     lambda: None,
                 )
             if checkpoint_fn is not None:
@@ -836,7 +897,7 @@ def make_train(args: Args, env: Any, env_params: Any):
                 host_states = jax.tree.map(key_data_or_array, states)  # callbacks take no PRNG keys
                 jax.lax.cond(
                     should_save,
-                    lambda: jax.debug.callback(checkpoint_fn, cycle, host_states, ordered=True),
+                    lambda: jax.debug.callback(checkpoint_fn, cycle, host_states, ordered=ordered),
                     lambda: None,
                 )
             return states, metrics
@@ -844,6 +905,24 @@ def make_train(args: Args, env: Any, env_params: Any):
         return jax.lax.scan(cycle_body, states, None, length=args.num_cycles - start_cycle)
 
     return init, train
+
+
+def state_partition_specs() -> TrainState:
+    """How a stack of TrainStates lies across devices: the envs (axis 1 of every EnvCarry leaf,
+    after the seed axis) are split, everything else is replicated."""
+    return TrainState(*([P()] * len(TrainState._fields)))._replace(env=P(None, DEVICE_AXIS))
+
+
+def place_on_mesh(states: TrainState, mesh: jax.sharding.Mesh | None) -> TrainState:
+    if mesh is None:
+        return states
+    shardings = jax.tree.map(
+        lambda spec, subtree: jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, spec), subtree),
+        state_partition_specs(),
+        states,
+        is_leaf=lambda node: isinstance(node, P),
+    )
+    return jax.device_put(states, shardings)
 
 
 def key_data_or_array(leaf: jax.Array) -> jax.Array:
@@ -862,21 +941,27 @@ def stack_seeds(trees: list[Any]) -> Any:
 class MetricsLogger:
     """Host side of the metrics callback: metrics.jsonl, a console line and wandb."""
 
-    def __init__(self, args: Args, run_dir: Path, wandb_run: Any | None):
+    def __init__(self, args: Args, run_dir: Path):
         self.args = args
         self.seeds = [args.seed + i for i in range(args.num_seeds)]
-        self.file = open(run_dir / "metrics.jsonl", "a")
-        self.wandb_run = wandb_run
+        self.path = run_dir / "metrics.jsonl"
+        self.file: Any = None
+        self.wandb_run: Any = None
         self.last_time: float | None = None
         self.last_cycle = 0
         self.last_print = 0.0
 
-    def start(self, cycle: int = 0) -> None:
+    def start(self, cycle: int, wandb_run: Any | None) -> None:
+        """Called once compiled, just before training: nothing is written before that."""
+        self.file = open(self.path, "a")
+        self.wandb_run = wandb_run
         self.last_time = time.perf_counter()
         self.last_cycle = cycle
 
     def __call__(self, cycle: Any, values: Any) -> None:
         """values: (len(METRIC_NAMES), num_seeds), in the order of METRIC_NAMES."""
+        if jax.process_index() != 0:  # multi-host: one writer
+            return
         now = time.perf_counter()
         cycle = int(cycle)
         env_steps = cycle * self.args.batch_size
@@ -999,8 +1084,12 @@ class Checkpointer:
 
     def __init__(self, run_dir: Path):
         self.path = run_dir / "checkpoint.npz"
+        self.last_saved_cycle = -1
 
     def __call__(self, cycle: Any, host_states: Any) -> None:
+        if jax.process_index() != 0 or int(cycle) <= self.last_saved_cycle:  # one writer; never older
+            return
+        self.last_saved_cycle = int(cycle)
         leaves = {f"leaf_{index}": np.asarray(leaf) for index, leaf in enumerate(jax.tree.leaves(host_states))}
         temporary = self.path.with_suffix(".npz.tmp")
         with open(temporary, "wb") as file:
@@ -1059,11 +1148,36 @@ def keep_metrics_up_to(run_dir: Path, last_cycle: int) -> list[dict[str, Any]]:
     return kept
 
 
+def make_mesh(args: Args) -> jax.sharding.Mesh | None:
+    """The devices the envs are split across; None for one device (no shard_map at all)."""
+    if args.distributed:
+        jax.distributed.initialize()  # reads the coordinator address etc. from the environment
+    devices = jax.devices()
+    num_devices = args.num_devices or len(devices)
+    if num_devices > len(devices):
+        raise ConfigError(
+            f"--num-devices {num_devices}: only {len(devices)} {devices[0].platform} device(s) here "
+            "(on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N)"
+        )
+    if args.num_parallel_envs % num_devices != 0:
+        raise ConfigError(f"--num-parallel-envs {args.num_parallel_envs} does not split evenly across {num_devices} devices (--num-devices)")
+    per_device_batch = args.batch_size // num_devices
+    if per_device_batch % args.num_minibatches_per_epoch != 0:
+        raise ConfigError(
+            f"--num-minibatches-per-epoch {args.num_minibatches_per_epoch} does not divide each device's batch of "
+            f"{per_device_batch} transitions (--num-parallel-envs / --num-devices x --num-env-steps-per-cycle)"
+        )
+    if num_devices == 1:
+        return None
+    return jax.make_mesh((num_devices,), (DEVICE_AXIS,), devices=devices[:num_devices])
+
+
 def run(args: Args) -> dict[str, Any]:
     """Validates, trains (or resumes), and writes the run dir. Returns the summary."""
     validate_args(args)
     use_unrolled_threefry_on_cpu()
     env, env_params = make_env(args.env_id)
+    mesh = make_mesh(args)
     if args.resume:
         run_dir, checkpointer = prepare_resume(args)
     else:
@@ -1073,17 +1187,27 @@ def run(args: Args) -> dict[str, Any]:
         checkpointer = Checkpointer(run_dir)
 
     start = time.perf_counter()
-    init, train = make_train(args, env, env_params)
+    init, train = make_train(args, env, env_params, mesh)
     states = stack_seeds([init(args.seed + i) for i in range(args.num_seeds)])
-    start_cycle, kept_rows = 0, []
+    start_cycle = 0
     if args.resume:
         states, start_cycle = checkpointer.load(states)
+    logger = MetricsLogger(args, run_dir)
+    states = place_on_mesh(states, mesh)
+    train_jit = jax.jit(lambda states: train(states, logger, checkpointer, start_cycle), donate_argnums=0)
+    compiled = train_jit.lower(states).compile()
+    compile_seconds = time.perf_counter() - start
+    devices = "" if mesh is None else f" on {mesh.size} devices"
+    print(f"compiled in {compile_seconds:.1f} s{devices}", flush=True)
+
+    # Nothing is written before this point: bad input and compile errors leave no run dir.
+    kept_rows = []
+    if args.resume:
         kept_rows = keep_metrics_up_to(run_dir, start_cycle)
         print(f"resuming {run_dir} from cycle {start_cycle}", flush=True)
     else:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2) + "\n")
-
     wandb_run = None
     if args.track:
         import wandb
@@ -1101,15 +1225,9 @@ def run(args: Args) -> dict[str, Any]:
             resume="allow",
         )
         id_file.write_text(wandb_run.id)
-    logger = MetricsLogger(args, run_dir, wandb_run)
     print(f"run dir: {run_dir}  |  {args.num_cycles} cycles x {args.batch_size} env steps x {args.num_seeds} seeds", flush=True)
 
-    train_jit = jax.jit(lambda states: train(states, logger, checkpointer, start_cycle), donate_argnums=0)
-    compiled = train_jit.lower(states).compile()
-    compile_seconds = time.perf_counter() - start
-    print(f"compiled in {compile_seconds:.1f} s", flush=True)
-
-    logger.start(start_cycle)
+    logger.start(start_cycle, wandb_run)
     run_start = time.perf_counter()
     states, metrics = compiled(states)
     jax.block_until_ready((states, metrics))
