@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark import ROOT, run_config  # noqa: E402
 
 # args.json keys that never describe the experiment, left out of labels.
-NON_EXPERIMENT_ARGS = {"run_dir", "exp_name", "track", "wandb_project", "wandb_entity", "wandb_group", "wandb_mode"}
+NON_EXPERIMENT_ARGS = {"run_dir", "track", "wandb_project", "wandb_entity", "wandb_group", "wandb_mode"}
 
 
 # ======================================================================================
@@ -184,8 +184,9 @@ def mean_std(values: Any) -> tuple[float, float]:
 
 def differing_labels(all_args: list[dict[str, Any]], fallback: list[str]) -> list[str]:
     """One label per run: `key=value` for each arg that differs between the runs (e.g.
-    `clip_eps=0.1`); the fallback (e.g. the folder name) when nothing differs or labels collide."""
-    keys = sorted({key for args in all_args for key in args} - NON_EXPERIMENT_ARGS)
+    `clip_eps=0.1`); the fallback (e.g. the folder name) when nothing differs or labels collide.
+    Keys missing from some args.json (written by another script or version) are not compared."""
+    keys = sorted(set.intersection(*[set(args) for args in all_args]) - NON_EXPERIMENT_ARGS)
     differing = [key for key in keys if len({json.dumps(args.get(key)) for args in all_args}) > 1]
     labels = [", ".join(f"{key}={format_value(args.get(key))}" for key in differing) for args in all_args]
     if not differing or len(set(labels)) < len(labels):

@@ -92,6 +92,8 @@ def test_labels_and_null_returns():
     base = {"env_id": "CartPole-v1", "clip_eps": 0.2, "run_dir": "a", "seed": 1}
     assert differing_labels([base, {**base, "clip_eps": 0.1, "run_dir": "b"}], ["a", "b"]) == ["clip_eps=0.2", "clip_eps=0.1"]
     assert differing_labels([base, {**base, "run_dir": "b"}], ["a", "b"]) == ["a", "b"]  # only run_dir differs
+    # A key only one args.json has (another script version) is not a difference.
+    assert differing_labels([base, {**base, "clip_eps": 0.1, "new_flag": 3}], ["a", "b"]) == ["clip_eps=0.2", "clip_eps=0.1"]
 
 
 def test_null_returns_are_missing_values_not_zeros(tmp_path):
