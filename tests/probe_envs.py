@@ -60,7 +60,7 @@ class _Probe(environment.Environment):
         raise NotImplementedError
 
     def reset_env(self, key, params):
-        state = ProbeState(time=0, value=self.initial_value(key))
+        state = ProbeState(time=jnp.int32(0), value=self.initial_value(key))
         return self.obs(state), state
 
     def step_env(self, key, state, action, params):
@@ -155,6 +155,10 @@ class ActionDependentRewardImage(ActionDependentReward):
 
 
 class TimeLimitImage(TimeLimit):
+    obs_shape = (3, 3, 1)
+
+
+class MaskedActionsImage(MaskedActions):
     obs_shape = (3, 3, 1)
 
 

@@ -18,7 +18,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from probe_envs import MaskedActions, Memory, ProbeState
 from reference import gae_reference, ppo_loss_reference
 
 import ppo_lstm_impala as ppo
@@ -27,20 +26,7 @@ SCRIPT = Path(ppo.__file__)
 TINY = dict(impala_channels=(4,), torso_size=32, lstm_size=32)
 
 
-class MemoryJaxTime(Memory):
-    """probe_envs.Memory, except that reset stores `time` as a jax integer: upstream stores the
-    Python int 0, so `obs()` calls `.astype` on a Python bool and reset crashes."""
-
-    def reset_env(self, key, params):
-        state = ProbeState(time=jnp.int32(0), value=self.initial_value(key))
-        return self.obs(state), state
-
-
-MEMORY_ENV_ID = f"{__name__}:MemoryJaxTime"
-
-
-class MaskedActionsImage(MaskedActions):
-    obs_shape = (3, 3, 1)
+MEMORY_ENV_ID = "probe_envs:Memory"
 
 
 def tiny_args(tmp_path: Path, name: str = "run", **overrides) -> ppo.Args:
@@ -232,7 +218,7 @@ def test_rollout_frame_stack_and_final_obs_at_episode_boundaries(tmp_path):
 
 
 def test_invalid_actions_are_never_sampled(tmp_path):
-    args = tiny_args(tmp_path, env_id=f"{__name__}:MaskedActionsImage")
+    args = tiny_args(tmp_path, env_id="probe_envs:MaskedActionsImage")
     env, env_params = ppo.make_env(args.env_id)
     assert ppo.uses_action_mask(args, env) and not ppo.uses_action_mask(tiny_args(tmp_path, mask_invalid_actions=False), env)
     network = ppo.make_network(args, 3)
