@@ -26,10 +26,13 @@ import os
 if "XLA_FLAGS" not in os.environ:
     os.environ["XLA_FLAGS"] = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
+import contextlib
 import dataclasses
 import datetime
 import difflib
 import importlib
+import io
+import itertools
 import json
 import math
 import re
@@ -49,6 +52,7 @@ import numpy as np
 import optax
 import tyro
 from gymnax.environments import spaces
+from jax.sharding import PartitionSpec as P
 
 # ======================================================================================
 # Args
@@ -140,6 +144,14 @@ class Args:
     """orthogonal init (gain sqrt(2) convs and dense torso, 1.0 LSTM, 0.01 actor head, 1.0 critic
     head, zero biases); off: flax's default init"""
 
+    # --- scale (37 details, auxiliary: parallelized gradient update) ----------------------
+    num_devices: int = 1
+    """devices to split the parallel envs across (0 = every device); each computes gradients on
+    its share of every minibatch, and they are averaged (pmean) before the optimizer step"""
+    distributed: bool = False
+    """multi-host: call jax.distributed.initialize() (from the cluster's environment variables)
+    so that --num-devices spans every host's devices"""
+
     # --- logging ----------------------------------------------------------------------
     track: bool = False
     """log to Weights & Biases"""
@@ -155,6 +167,12 @@ class Args:
     """output folder; default runs/<env>__<exp-name>__<seed>__<time>"""
     log_every_cycles: int = 1
     """write metrics every this many cycles (the last cycle is always written)"""
+    checkpoint_every_cycles: int | None = None
+    """write RUN_DIR/checkpoint.npz (the full training state) every this many cycles; default:
+    about every 10% of the run"""
+    resume: str | None = None
+    """continue the run in this run dir from its last checkpoint, with its args.json; flags given
+    here may change only logging (--track, --wandb-*, --log-every-cycles, --checkpoint-every-cycles)"""
 
     # --- derived ----------------------------------------------------------------------
     @property
@@ -190,6 +208,10 @@ class Args:
         return self.num_total_env_steps // self.batch_size
 
     @property
+    def checkpoint_interval(self) -> int:
+        return self.checkpoint_every_cycles or max(1, self.num_cycles // 10)
+
+    @property
     def num_gradient_steps(self) -> int:
         """nominal gradient steps in the whole run (target-KL may skip some)"""
         return self.num_cycles * self.num_epochs_per_cycle * self.num_minibatches_per_epoch
@@ -215,6 +237,8 @@ def validate_args(args: Args) -> None:
     for name in positive_ints:
         if getattr(args, name) <= 0:
             raise ConfigError(f"{flag(name)} must be a positive integer, got {getattr(args, name)}")
+    if args.num_devices < 0:
+        raise ConfigError(f"--num-devices must be >= 0 (0 = every device), got {args.num_devices}")
     if args.seed < 0:
         raise ConfigError(f"--seed must be >= 0, got {args.seed}")
     if args.lstm_training == "bptt" and args.num_parallel_envs % args.num_minibatches_per_epoch != 0:
@@ -242,6 +266,8 @@ def validate_args(args: Args) -> None:
     for name in ["gamma", "gae_lambda"]:
         if not 0 <= getattr(args, name) <= 1:
             raise ConfigError(f"{flag(name)} must be in [0, 1], got {getattr(args, name)}")
+    if args.checkpoint_every_cycles is not None and args.checkpoint_every_cycles <= 0:
+        raise ConfigError(f"--checkpoint-every-cycles must be a positive integer, got {args.checkpoint_every_cycles}")
     if args.target_kl is not None and not args.target_kl > 0:
         raise ConfigError(f"--target-kl must be > 0 when set, got {args.target_kl}")
     if not args.impala_channels or min(args.impala_channels) <= 0:
@@ -382,6 +408,8 @@ class TrainState(NamedTuple):
     env: EnvCarry
     key: jax.Array
     cycle: jax.Array  # cycles completed
+    failed_cycle: jax.Array  # 0 while healthy; else the cycle whose update was not finite
+    failed_check: jax.Array  # index into NON_FINITE_CHECKS of what was not finite
 
 
 # ======================================================================================
@@ -556,6 +584,18 @@ def init_params(network: ActorCritic, key: jax.Array, args: Args, obs_shape: tup
 # ======================================================================================
 
 
+DEVICE_AXIS = "devices"  # the shard_map axis that splits the parallel envs across devices
+
+
+def mean_over_devices(x: Any, axis_name: str | None) -> Any:
+    """The mean of every device's value under shard_map; the value itself on one device."""
+    return x if axis_name is None else jax.lax.pmean(x, axis_name)
+
+
+def sum_over_devices(x: Any, axis_name: str | None) -> Any:
+    return x if axis_name is None else jax.lax.psum(x, axis_name)
+
+
 def linear_schedule(start: float, step: jax.Array, num_steps: int) -> jax.Array:
     """`start` at step 0, falling linearly to exactly 0 at step num_steps - 1, never below."""
     fraction = 1.0 - step / max(num_steps - 1, 1)
@@ -645,8 +685,8 @@ def evaluate_rollout(
     value (L, S), and next_value (T, N) = V(final_obs[t]) from the carry after obs[t], before
     any reset: a reset carry would bootstrap a truncated episode from the wrong state.
     """
-    num_steps, num_envs = transitions.action.shape
-    sequence_shape = (args.sequence_length, args.num_sequences)
+    num_steps, num_envs = transitions.action.shape  # this device's envs
+    sequence_shape = (args.sequence_length, num_steps * num_envs // args.sequence_length)
     to_sequences = lambda x: x.reshape(*sequence_shape, *x.shape[2:])  # noqa: E731
     if args.lstm_training == "bptt":
         sequence_carry, sequence_start = first_carry, transitions.episode_start
@@ -706,6 +746,7 @@ def ppo_loss_terms(
     clip_eps: jax.Array,
     clip_vloss: bool,
     norm_adv: bool,
+    axis_name: str | None = None,
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """Clipped surrogate and value losses on one minibatch (37 details: 7, 8, 9).
 
@@ -713,8 +754,10 @@ def ppo_loss_terms(
     policy_loss - ent_coef * entropy + vf_coef * value_loss.
     """
     advantage = batch.advantage
-    if norm_adv:
-        advantage = (advantage - advantage.mean()) / (advantage.std() + 1e-8)
+    if norm_adv:  # over the whole minibatch, every device's share of it included
+        mean = mean_over_devices(advantage.mean(), axis_name)
+        std = jnp.sqrt(mean_over_devices(((advantage - mean) ** 2).mean(), axis_name))
+        advantage = (advantage - mean) / (std + 1e-8)
     logratio = new_logp - batch.logp
     ratio = jnp.exp(logratio)
     surrogate = ratio * advantage
@@ -741,7 +784,7 @@ def ppo_loss_terms(
     return policy_loss, value_loss, metrics
 
 
-def loss_fn(params: Any, batch: Batch, clip_eps: jax.Array, network: ActorCritic, args: Args):
+def loss_fn(params: Any, batch: Batch, clip_eps: jax.Array, network: ActorCritic, args: Args, axis_name: str | None):
     # bptt: replays whole sequences from their first carry with the rollout's resets (gradients
     # flow through time); stored: a one-step forward from each transition's stored carry.
     _, logits, new_value = network.apply(params, batch.carry, batch.obs, batch.episode_start)
@@ -749,7 +792,7 @@ def loss_fn(params: Any, batch: Batch, clip_eps: jax.Array, network: ActorCritic
     new_logp = distribution.log_prob(batch.action)
     entropy = distribution.entropy()
     policy_loss, value_loss, metrics = ppo_loss_terms(
-        new_logp, entropy, new_value, batch, clip_eps, args.clip_vloss, args.norm_adv
+        new_logp, entropy, new_value, batch, clip_eps, args.clip_vloss, args.norm_adv, axis_name
     )
     total = policy_loss - args.ent_coef * entropy.mean() + args.vf_coef * value_loss
     return total, metrics
@@ -817,21 +860,28 @@ def update_cycle(
     batch: Batch,
     key: jax.Array,
     cycle: jax.Array,
+    failed: jax.Array,
     network: ActorCritic,
     optimizer: optax.GradientTransformation,
     args: Args,
-) -> tuple[Any, Any, dict[str, jax.Array]]:
+    axis_name: str | None = None,
+) -> tuple[Any, Any, dict[str, jax.Array], jax.Array]:
     """K epochs of M minibatch updates on one rollout.
 
-    With --target-kl, a minibatch whose approxkl3 (measured before its update) exceeds the target
-    is not applied, and every later minibatch of the cycle is skipped. Metrics are means over
-    the minibatches actually applied.
+    A minibatch update is not applied, and neither is any later one in the cycle, when:
+    - --target-kl is set and the minibatch's approxkl3 (measured before its update) exceeds it;
+    - its loss or gradient is not finite (the NaN guard). The returned code (index into
+      NON_FINITE_CHECKS, 0 = all finite) then tells the caller to stop training for good.
+    Nothing is applied when `failed` is already set. Metrics are means over applied minibatches.
+    Under shard_map (axis_name set) `batch` is this device's share; gradients, losses and metrics
+    are averaged over devices, so every device takes the same step.
     """
     num_epochs, num_minibatches = args.num_epochs_per_cycle, args.num_minibatches_per_epoch
+    num_sequences = batch.carry.shape[0]  # this device's share of the seed's sequences
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def minibatch_update(carry, minibatch_input):
-        params, opt_state, stopped, metric_sums, num_applied = carry
+        params, opt_state, stopped, non_finite, metric_sums, num_applied = carry
         minibatch, gradient_step = minibatch_input
         learning_rate = linear_schedule(args.lr, gradient_step, args.num_gradient_steps) if args.anneal_lr else jnp.float32(args.lr)
         clip_eps = (
@@ -841,53 +891,54 @@ def update_cycle(
         )
 
         def apply_update(_):
-            (_, metrics), grads = grad_fn(params, minibatch, clip_eps, network, args)
+            (loss, metrics), grads = grad_fn(params, minibatch, clip_eps, network, args, axis_name)
+            loss, metrics, grads = mean_over_devices((loss, metrics, grads), axis_name)
             metrics["losses/grad_norm"] = optax.tree.norm(grads)  # before clipping
             direction, new_opt_state = optimizer.update(grads, opt_state, params)
             new_params = jax.tree.map(lambda param, step: param - learning_rate * step, params, direction)
-            if args.target_kl is None:
-                return new_params, new_opt_state, jnp.bool_(False), metrics
-            exceeded = metrics["losses/actor_approxkl3"] > args.target_kl
-            keep_old = lambda old, new: jnp.where(exceeded, old, new)  # noqa: E731
-            return (
-                jax.tree.map(keep_old, params, new_params),
-                jax.tree.map(keep_old, opt_state, new_opt_state),
-                exceeded,
-                metrics,
+            code = jnp.where(
+                ~jnp.isfinite(loss), NON_FINITE_CHECKS.index("loss"),
+                jnp.where(~jnp.isfinite(metrics["losses/grad_norm"]), NON_FINITE_CHECKS.index("gradient"), 0),
             )
+            reject = stopped | (code > 0)
+            if args.target_kl is not None:
+                reject = reject | (metrics["losses/actor_approxkl3"] > args.target_kl)
+            keep_old = lambda old, new: jnp.where(reject, old, new)  # noqa: E731
+            return jax.tree.map(keep_old, params, new_params), jax.tree.map(keep_old, opt_state, new_opt_state), reject, code, metrics
 
-        if args.target_kl is None:
-            params, opt_state, _, metrics = apply_update(None)
-            applied = jnp.float32(1.0)
-        else:
-            zero_metrics = jax.tree.map(jnp.zeros_like, metric_sums)
+        def skip(_):
+            return params, opt_state, jnp.bool_(True), jnp.int32(0), jax.tree.map(jnp.zeros_like, metric_sums)
 
-            def skip(_):
-                return params, opt_state, jnp.bool_(True), zero_metrics
-
-            params, opt_state, exceeded, metrics = jax.lax.cond(stopped, skip, apply_update, None)
-            applied = jnp.logical_not(jnp.logical_or(stopped, exceeded)).astype(jnp.float32)
-            stopped = jnp.logical_or(stopped, exceeded)
-        metric_sums = jax.tree.map(lambda total, value: total + applied * value, metric_sums, metrics)
-        return (params, opt_state, stopped, metric_sums, num_applied + applied), None
+        if args.target_kl is None:  # after a NaN the update is computed but not applied (rare)
+            params, opt_state, rejected, code, metrics = apply_update(None)
+        else:  # target-KL stops early often: skip the compute
+            params, opt_state, rejected, code, metrics = jax.lax.cond(stopped, skip, apply_update, None)
+        applied = ~(stopped | rejected)
+        metric_sums = jax.tree.map(lambda total, value: total + jnp.where(applied, value, 0.0), metric_sums, metrics)
+        carry = (params, opt_state, stopped | rejected, jnp.maximum(non_finite, code), metric_sums, num_applied + applied)
+        return carry, None
 
     def epoch(carry, epoch_input):
         epoch_key, epoch_index = epoch_input
-        permutation = epoch_permutation(epoch_key, args.num_sequences)
+        permutation = epoch_permutation(epoch_key, num_sequences)
         minibatches = cut_minibatches(batch, permutation, num_minibatches)
         first_step = (cycle * num_epochs + epoch_index) * num_minibatches
         gradient_steps = first_step + jnp.arange(num_minibatches)
         return jax.lax.scan(minibatch_update, carry, (minibatches, gradient_steps))[0], None
 
     metric_sums = {name: jnp.float32(0.0) for name in MINIBATCH_METRIC_NAMES}
-    carry = (params, opt_state, jnp.bool_(False), metric_sums, jnp.float32(0.0))
+    carry = (params, opt_state, failed, jnp.int32(0), metric_sums, jnp.float32(0.0))
     epoch_keys = jax.random.split(key, num_epochs)
-    (params, opt_state, _, metric_sums, num_applied), _ = jax.lax.scan(
+    (params, opt_state, _, non_finite, metric_sums, num_applied), _ = jax.lax.scan(
         epoch, carry, (epoch_keys, jnp.arange(num_epochs))
     )
     metrics = {name: total / jnp.maximum(num_applied, 1.0) for name, total in metric_sums.items()}
     metrics["losses/epochs_run"] = num_applied / num_minibatches
-    return params, opt_state, metrics
+    return params, opt_state, metrics, non_finite
+
+
+# What the NaN guard checks, in order; code 0 means every check passed.
+NON_FINITE_CHECKS = ("none", "loss", "gradient", "parameters")
 
 
 # Metrics averaged over every minibatch applied in a cycle, and everything logged per cycle
@@ -913,16 +964,24 @@ METRIC_NAMES = (
 )
 
 
-def explained_variance(prediction: jax.Array, target: jax.Array) -> jax.Array:
-    """1 - Var(target - prediction) / Var(target); NaN when the target is constant."""
-    target_variance = jnp.var(target)
-    return jnp.where(target_variance == 0, jnp.nan, 1.0 - jnp.var(target - prediction) / target_variance)
+def explained_variance(prediction: jax.Array, target: jax.Array, axis_name: str | None = None) -> jax.Array:
+    """1 - Var(target - prediction) / Var(target) over every device's batch; NaN when the
+    target is constant."""
+
+    def variance(x):
+        mean = mean_over_devices(x.mean(), axis_name)
+        return mean_over_devices(((x - mean) ** 2).mean(), axis_name)
+
+    target_variance = variance(target)
+    return jnp.where(target_variance == 0, jnp.nan, 1.0 - variance(target - prediction) / target_variance)
 
 
-def nanmean_or_nan(x: jax.Array) -> jax.Array:
-    """Mean over the non-NaN entries (finished episodes only); NaN when there are none."""
-    count = jnp.sum(~jnp.isnan(x))
-    return jnp.where(count > 0, jnp.nansum(x) / jnp.maximum(count, 1), jnp.nan)
+def nanmean_or_nan(x: jax.Array, axis_name: str | None = None) -> jax.Array:
+    """Mean over the non-NaN entries (finished episodes only) of every device; NaN when there
+    are none."""
+    count = sum_over_devices(jnp.sum(~jnp.isnan(x)), axis_name)
+    total = sum_over_devices(jnp.nansum(x), axis_name)
+    return jnp.where(count > 0, total / jnp.maximum(count, 1), jnp.nan)
 
 
 # ======================================================================================
@@ -930,9 +989,8 @@ def nanmean_or_nan(x: jax.Array) -> jax.Array:
 # ======================================================================================
 
 
-def reset_envs(key: jax.Array, env: Any, env_params: Any, args: Args) -> EnvCarry:
+def reset_envs(key: jax.Array, env: Any, env_params: Any, num_envs: int, args: Args) -> EnvCarry:
     """Fresh episodes in every env, a fresh frame stack and zero LSTM carries."""
-    num_envs = args.num_parallel_envs
     frame, env_state = jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(key, num_envs), env_params)
     starts = jnp.ones((num_envs,), bool)
     stack = jnp.zeros((num_envs, *stacked_obs_shape(env, env_params, args.frame_stack)), jnp.float32)
@@ -941,13 +999,23 @@ def reset_envs(key: jax.Array, env: Any, env_params: Any, args: Args) -> EnvCarr
     return EnvCarry(env_state, push_frame(stack, frame, starts), starts, lstm_carry, zeros, jnp.zeros((num_envs,), jnp.int32))
 
 
-def make_train(args: Args, env: Any, env_params: Any):
+def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | None = None):
     """Returns (init, train).
 
     init(seed) -> TrainState for one seed, in Python, one seed at a time: parameter init is never
     vmapped, which keeps batched QR factorizations out of the program (see the XLA_FLAGS note).
-    train(states, log_fn) runs every cycle for a stack of seeds; it is meant to be jitted.
+    train(states, log_fn, checkpoint_fn, start_cycle) runs the cycles for a stack of seeds; it is
+    meant to be jitted. With a mesh, each cycle runs under shard_map: every device steps its
+    share of the envs, and gradients and metrics are averaged across devices.
     """
+    num_devices = 1 if mesh is None else mesh.size
+    axis_name = None if mesh is None else DEVICE_AXIS
+    local_envs = args.num_parallel_envs // num_devices
+
+    def per_device(key: jax.Array) -> jax.Array:
+        """Different random numbers on each device (only when there are several)."""
+        return key if num_devices == 1 else jax.random.fold_in(key, jax.lax.axis_index(DEVICE_AXIS))
+
     network = make_network(args, env.action_space(env_params).n)
     optimizer = make_optimizer(args)
     obs_shape = stacked_obs_shape(env, env_params, args.frame_stack)
@@ -957,17 +1025,19 @@ def make_train(args: Args, env: Any, env_params: Any):
     def init_one(key: jax.Array) -> TrainState:
         key, params_key, env_key = jax.random.split(key, 3)
         params = init_params(network, params_key, args, obs_shape)
-        env_carry = reset_envs(env_key, env, env_params, args)
-        return TrainState(params, optimizer.init(params), env_carry, key, jnp.int32(0))
+        env_carry = reset_envs(env_key, env, env_params, args.num_parallel_envs, args)
+        zero = jnp.int32(0)
+        return TrainState(params, optimizer.init(params), env_carry, key, zero, zero, zero)
 
     def init(seed: int) -> TrainState:
         return init_one(jax.random.key(seed))
 
     def train_cycle(state: TrainState) -> tuple[TrainState, dict[str, jax.Array]]:
         key, reset_key, rollout_key, update_key = jax.random.split(state.key, 4)
+        reset_key, rollout_key, update_key = per_device(reset_key), per_device(rollout_key), per_device(update_key)
         env_carry = state.env
         if args.reset_envs_each_cycle:
-            env_carry = reset_envs(reset_key, env, env_params, args)
+            env_carry = reset_envs(reset_key, env, env_params, local_envs, args)
         first_carry = env_carry.lstm_carry  # (N, C) before the first step's reset
 
         env_carry, transitions, finished_return, finished_length = collect_rollout(
@@ -986,7 +1056,8 @@ def make_train(args: Args, env: Any, env_params: Any):
         sequence_carry, sequence_start, logp, value, next_value = evaluate_rollout(
             state.params, first_carry, transitions, network, args
         )
-        to_sequences = lambda x: x.reshape(args.sequence_length, args.num_sequences, *x.shape[2:])  # noqa: E731
+        # (T, N, ...) -> (L, S, ...): this device's sequences, the shape of logp
+        to_sequences = lambda x: x.reshape(*logp.shape, *x.shape[2:])  # noqa: E731
 
         done = jnp.logical_or(transitions.terminated, transitions.truncated)
         bootstrap_stops = transitions.terminated if args.bootstrap_truncated else done
@@ -1010,12 +1081,20 @@ def make_train(args: Args, env: Any, env_params: Any):
             target=to_sequences(target),
             action_mask=None if transitions.action_mask is None else to_sequences(transitions.action_mask),
         )
-        params, opt_state, metrics = update_cycle(
-            state.params, state.opt_state, batch, update_key, state.cycle, network, optimizer, args
+        failed = state.failed_cycle > 0
+        params, opt_state, metrics, non_finite = update_cycle(
+            state.params, state.opt_state, batch, update_key, state.cycle, failed, network, optimizer, args, axis_name
         )
+        # NaN guard, last line: parameters must be finite too, or the cycle's updates are undone.
+        params_finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(params)]))
+        non_finite = jnp.where(non_finite > 0, non_finite, jnp.where(params_finite, 0, NON_FINITE_CHECKS.index("parameters")))
+        params, opt_state = jax.tree.map(
+            lambda new, old: jnp.where(params_finite, new, old), (params, opt_state), (state.params, state.opt_state)
+        )
+        newly_failed = ~failed & (non_finite > 0)
         last_step = (state.cycle + 1) * args.num_epochs_per_cycle * args.num_minibatches_per_epoch - 1
-        metrics["charts/episodic_return"] = nanmean_or_nan(finished_return)
-        metrics["charts/episodic_length"] = nanmean_or_nan(finished_length)
+        metrics["charts/episodic_return"] = nanmean_or_nan(finished_return, axis_name)
+        metrics["charts/episodic_length"] = nanmean_or_nan(finished_length, axis_name)
         metrics["charts/learning_rate"] = (
             linear_schedule(args.lr, last_step, args.num_gradient_steps) if args.anneal_lr else jnp.float32(args.lr)
         )
@@ -1024,8 +1103,16 @@ def make_train(args: Args, env: Any, env_params: Any):
             if args.anneal_clip_eps
             else jnp.float32(args.clip_eps)
         )
-        metrics["losses/explained_variance"] = explained_variance(batch.value, batch.target)
-        new_state = TrainState(params, opt_state, env_carry, key, state.cycle + 1)
+        metrics["losses/explained_variance"] = explained_variance(batch.value, batch.target, axis_name)
+        new_state = TrainState(
+            params,
+            opt_state,
+            env_carry,
+            key,
+            state.cycle + 1,
+            failed_cycle=jnp.where(newly_failed, state.cycle + 1, state.failed_cycle),
+            failed_check=jnp.where(newly_failed, non_finite, state.failed_check),
+        )
         return new_state, metrics
 
     def train_cycle_each_seed(states: TrainState) -> tuple[TrainState, dict[str, jax.Array]]:
@@ -1036,12 +1123,35 @@ def make_train(args: Args, env: Any, env_params: Any):
             return jax.tree.map(lambda x: x[None], (state, metrics))
         return jax.vmap(train_cycle)(states)
 
-    def train(states: TrainState, log_fn: Callable | None = None):
-        """states: TrainState with a leading seed axis. Returns final states and per-cycle
-        metrics, each (num_cycles, num_seeds)."""
+    def skip_cycle(states: TrainState) -> tuple[TrainState, dict[str, jax.Array]]:
+        """Every seed has failed: nothing to train, just count the cycle (costs nothing)."""
+        nan = jnp.full(states.cycle.shape, jnp.nan)
+        return states._replace(cycle=states.cycle + 1), {name: nan for name in METRIC_NAMES}
+
+    def train(
+        states: TrainState,
+        log_fn: Callable | None = None,
+        checkpoint_fn: Callable | None = None,
+        start_cycle: int = 0,
+    ):
+        """states: TrainState with a leading seed axis, after `start_cycle` cycles. Runs the
+        remaining cycles; returns final states and per-cycle metrics, each (cycles, seeds).
+        log_fn(cycle, values) and checkpoint_fn(cycle, states) are host callbacks."""
+
+        def one_cycle(states):
+            all_failed = jnp.all(states.failed_cycle > 0)
+            return jax.lax.cond(all_failed, skip_cycle, train_cycle_each_seed, states)
+
+        if mesh is not None:
+            specs = state_partition_specs()
+            one_cycle = jax.shard_map(one_cycle, mesh=mesh, in_specs=(specs,), out_specs=(specs, P()))
+
+        # JAX orders host callbacks on one device only; on several, each row and checkpoint
+        # carries its cycle number, and the checkpointer never goes back in time.
+        ordered = mesh is None
 
         def cycle_body(states, _):
-            states, metrics = train_cycle_each_seed(states)
+            states, metrics = one_cycle(states)
             if log_fn is not None:
                 cycle = states.cycle[0]
                 should_log = jnp.logical_or(cycle % args.log_every_cycles == 0, cycle == args.num_cycles)
@@ -1049,14 +1159,46 @@ def make_train(args: Args, env: Any, env_params: Any):
                 values = jnp.stack([metrics[name] for name in METRIC_NAMES])  # (metrics, seeds)
                 jax.lax.cond(
                     should_log,
-                    lambda: jax.debug.callback(log_fn, cycle, values, ordered=True),
+                    lambda: jax.debug.callback(log_fn, cycle, values, ordered=ordered),
+                    lambda: None,
+                )
+            if checkpoint_fn is not None:
+                cycle = states.cycle[0]
+                # Never checkpoint after a failure: the last good checkpoint stays on disk.
+                should_save = (cycle % args.checkpoint_interval == 0) & ~jnp.any(states.failed_cycle > 0)
+                host_states = jax.tree.map(key_data_or_array, states)  # callbacks take no PRNG keys
+                jax.lax.cond(
+                    should_save,
+                    lambda: jax.debug.callback(checkpoint_fn, cycle, host_states, ordered=ordered),
                     lambda: None,
                 )
             return states, metrics
 
-        return jax.lax.scan(cycle_body, states, None, length=args.num_cycles)
+        return jax.lax.scan(cycle_body, states, None, length=args.num_cycles - start_cycle)
 
     return init, train
+
+
+def state_partition_specs() -> TrainState:
+    """How a stack of TrainStates lies across devices: the envs (axis 1 of every EnvCarry leaf,
+    after the seed axis) are split, everything else is replicated."""
+    return TrainState(*([P()] * len(TrainState._fields)))._replace(env=P(None, DEVICE_AXIS))
+
+
+def place_on_mesh(states: TrainState, mesh: jax.sharding.Mesh | None) -> TrainState:
+    if mesh is None:
+        return states
+    shardings = jax.tree.map(
+        lambda spec, subtree: jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, spec), subtree),
+        state_partition_specs(),
+        states,
+        is_leaf=lambda node: isinstance(node, P),
+    )
+    return jax.device_put(states, shardings)
+
+
+def key_data_or_array(leaf: jax.Array) -> jax.Array:
+    return jax.random.key_data(leaf) if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf
 
 
 def stack_seeds(trees: list[Any]) -> Any:
@@ -1071,21 +1213,27 @@ def stack_seeds(trees: list[Any]) -> Any:
 class MetricsLogger:
     """Host side of the metrics callback: metrics.jsonl, a console line and wandb."""
 
-    def __init__(self, args: Args, run_dir: Path, wandb_run: Any | None):
+    def __init__(self, args: Args, run_dir: Path):
         self.args = args
         self.seeds = [args.seed + i for i in range(args.num_seeds)]
-        self.file = open(run_dir / "metrics.jsonl", "a")
-        self.wandb_run = wandb_run
+        self.path = run_dir / "metrics.jsonl"
+        self.file: Any = None
+        self.wandb_run: Any = None
         self.last_time: float | None = None
         self.last_cycle = 0
         self.last_print = 0.0
 
-    def start(self) -> None:
+    def start(self, cycle: int, wandb_run: Any | None) -> None:
+        """Called once compiled, just before training: nothing is written before that."""
+        self.file = open(self.path, "a")
+        self.wandb_run = wandb_run
         self.last_time = time.perf_counter()
-        self.last_cycle = 0
+        self.last_cycle = cycle
 
     def __call__(self, cycle: Any, values: Any) -> None:
         """values: (len(METRIC_NAMES), num_seeds), in the order of METRIC_NAMES."""
+        if jax.process_index() != 0:  # multi-host: one writer
+            return
         now = time.perf_counter()
         cycle = int(cycle)
         env_steps = cycle * self.args.batch_size
@@ -1194,21 +1342,155 @@ def use_unrolled_threefry_on_cpu() -> None:
         pass
 
 
+# Args that may differ when a run is resumed: they change what is logged, not what is trained.
+RESUMABLE_FIELDS = (
+    "track", "wandb_project", "wandb_entity", "wandb_group", "wandb_mode", "run_dir",
+    "log_every_cycles", "checkpoint_every_cycles", "resume", "exp_name",
+)
+
+
+class Checkpointer:
+    """Host side of the checkpoint callback: the full training state of every seed (params,
+    optimizer state, env states, RNG keys, counters) in RUN_DIR/checkpoint.npz. Each write goes
+    to a temporary file that is atomically renamed, so a kill mid-write keeps the previous one."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / "checkpoint.npz"
+        self.last_saved_cycle = -1
+
+    def __call__(self, cycle: Any, host_states: Any) -> None:
+        if jax.process_index() != 0 or int(cycle) <= self.last_saved_cycle:  # one writer; never older
+            return
+        self.last_saved_cycle = int(cycle)
+        leaves = {f"leaf_{index}": np.asarray(leaf) for index, leaf in enumerate(jax.tree.leaves(host_states))}
+        temporary = self.path.with_suffix(".npz.tmp")
+        with open(temporary, "wb") as file:
+            np.savez(file, cycle=np.asarray(cycle), **leaves)
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, self.path)
+
+    def load(self, template: TrainState) -> tuple[TrainState, int]:
+        """The saved states, shaped and typed like `template` (freshly initialised states)."""
+        with np.load(self.path) as saved:
+            template_leaves, treedef = jax.tree.flatten(template)
+            if len(saved.files) != len(template_leaves) + 1:
+                raise ConfigError(f"--resume: {self.path} does not match this script's training state")
+            leaves = []
+            for index, like in enumerate(template_leaves):
+                data = saved[f"leaf_{index}"]
+                if jnp.issubdtype(like.dtype, jax.dtypes.prng_key):
+                    leaves.append(jax.random.wrap_key_data(data, impl=jax.random.key_impl(like)))
+                elif data.shape != like.shape:
+                    raise ConfigError(f"--resume: {self.path} does not match this script's training state")
+                else:
+                    leaves.append(jnp.asarray(data, like.dtype))
+            return jax.tree.unflatten(treedef, leaves), int(saved["cycle"])
+
+
+def prepare_resume(args: Args) -> tuple[Path, Checkpointer]:
+    """Checks that --resume can continue the run in that folder."""
+    run_dir = Path(args.resume)
+    if not (run_dir / "args.json").exists():
+        raise ConfigError(f"--resume {run_dir}: no args.json there, so no run to resume")
+    saved = args_from_json(run_dir / "args.json")
+    for field in dataclasses.fields(Args):
+        if field.name not in RESUMABLE_FIELDS and getattr(args, field.name) != getattr(saved, field.name):
+            raise ConfigError(
+                f"--resume {run_dir}: {flag(field.name)} is {getattr(args, field.name)!r} here but "
+                f"{getattr(saved, field.name)!r} in the run; only logging flags may change"
+            )
+    if (run_dir / "summary.json").exists():
+        raise ConfigError(f"--resume {run_dir}: that run already finished")
+    checkpointer = Checkpointer(run_dir)
+    if not checkpointer.path.exists():
+        raise ConfigError(f"--resume {run_dir}: no checkpoint was written before it stopped; start it again")
+    return run_dir, checkpointer
+
+
+def keep_metrics_up_to(run_dir: Path, last_cycle: int) -> list[dict[str, Any]]:
+    """Drops metrics.jsonl rows logged after the checkpoint (they are logged again on resume)
+    and returns the rows kept."""
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    kept = [row for row in rows if row["cycle"] <= last_cycle]
+    temporary = path.with_suffix(".jsonl.tmp")
+    temporary.write_text("".join(json.dumps(row) + "\n" for row in kept))
+    os.replace(temporary, path)
+    return kept
+
+
+def make_mesh(args: Args) -> jax.sharding.Mesh | None:
+    """The devices the envs are split across; None for one device (no shard_map at all)."""
+    if args.distributed:
+        jax.distributed.initialize()  # reads the coordinator address etc. from the environment
+    devices = jax.devices()
+    num_devices = args.num_devices or len(devices)
+    if num_devices > len(devices):
+        raise ConfigError(
+            f"--num-devices {num_devices}: only {len(devices)} {devices[0].platform} device(s) here "
+            "(on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N)"
+        )
+    if args.num_parallel_envs % num_devices != 0:
+        raise ConfigError(f"--num-parallel-envs {args.num_parallel_envs} does not split evenly across {num_devices} devices (--num-devices)")
+    if args.lstm_training == "bptt" and args.num_parallel_envs // num_devices % args.num_minibatches_per_epoch != 0:
+        raise ConfigError(
+            f"--lstm-training bptt cuts each device's minibatches from its own whole env sequences, so "
+            f"--num-parallel-envs / --num-devices = {args.num_parallel_envs // num_devices} must be divisible by "
+            f"--num-minibatches-per-epoch {args.num_minibatches_per_epoch}"
+        )
+    per_device_batch = args.batch_size // num_devices
+    if per_device_batch % args.num_minibatches_per_epoch != 0:
+        raise ConfigError(
+            f"--num-minibatches-per-epoch {args.num_minibatches_per_epoch} does not divide each device's batch of "
+            f"{per_device_batch} transitions (--num-parallel-envs / --num-devices x --num-env-steps-per-cycle)"
+        )
+    if num_devices == 1:
+        return None
+    return jax.make_mesh((num_devices,), (DEVICE_AXIS,), devices=devices[:num_devices])
+
+
 def run(args: Args) -> dict[str, Any]:
-    """Validates, trains, and writes the run dir. Returns the summary."""
+    """Validates, trains (or resumes), and writes the run dir. Returns the summary."""
     validate_args(args)
     use_unrolled_threefry_on_cpu()
     env, env_params = make_env(args.env_id)
-    run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args)
-    if (run_dir / "metrics.jsonl").exists():
-        raise ConfigError(f"--run-dir {run_dir} already holds a run; choose another folder")
+    mesh = make_mesh(args)
+    if args.resume:
+        run_dir, checkpointer = prepare_resume(args)
+    else:
+        run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args)
+        if (run_dir / "metrics.jsonl").exists():
+            raise ConfigError(f"--run-dir {run_dir} already holds a run; choose another folder, or --resume it")
+        checkpointer = Checkpointer(run_dir)
 
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2) + "\n")
+    start = time.perf_counter()
+    init, train = make_train(args, env, env_params, mesh)
+    states = stack_seeds([init(args.seed + i) for i in range(args.num_seeds)])
+    start_cycle = 0
+    if args.resume:
+        states, start_cycle = checkpointer.load(states)
+    logger = MetricsLogger(args, run_dir)
+    states = place_on_mesh(states, mesh)
+    train_jit = jax.jit(lambda states: train(states, logger, checkpointer, start_cycle), donate_argnums=0)
+    compiled = train_jit.lower(states).compile()
+    compile_seconds = time.perf_counter() - start
+    devices = "" if mesh is None else f" on {mesh.size} devices"
+    print(f"compiled in {compile_seconds:.1f} s{devices}", flush=True)
+
+    # Nothing is written before this point: bad input and compile errors leave no run dir.
+    kept_rows = []
+    if args.resume:
+        kept_rows = keep_metrics_up_to(run_dir, start_cycle)
+        print(f"resuming {run_dir} from cycle {start_cycle}", flush=True)
+    else:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2) + "\n")
     wandb_run = None
     if args.track:
         import wandb
 
+        id_file = run_dir / "wandb_id.txt"
         wandb_run = wandb.init(
             project=args.wandb_project,
             entity=args.wandb_entity,
@@ -1217,40 +1499,47 @@ def run(args: Args) -> dict[str, Any]:
             mode=args.wandb_mode,
             dir=str(run_dir),
             config=dataclasses.asdict(args),
+            id=id_file.read_text().strip() if id_file.exists() else None,
+            resume="allow",
         )
-    logger = MetricsLogger(args, run_dir, wandb_run)
+        id_file.write_text(wandb_run.id)
     print(f"run dir: {run_dir}  |  {args.num_cycles} cycles x {args.batch_size} env steps x {args.num_seeds} seeds", flush=True)
     if args.lstm_training == "stored":
         carry_bytes = args.batch_size * args.carry_size * 4  # T * N * 2 * lstm_size float32s per LSTM
         print(f"--lstm-training stored keeps {carry_bytes / 2**20:.1f} MiB of LSTM carries per seed", flush=True)
 
-    start = time.perf_counter()
-    init, train = make_train(args, env, env_params)
-    states = stack_seeds([init(args.seed + i) for i in range(args.num_seeds)])
-    train_jit = jax.jit(lambda states: train(states, logger), donate_argnums=0)
-    compiled = train_jit.lower(states).compile()
-    compile_seconds = time.perf_counter() - start
-    print(f"compiled in {compile_seconds:.1f} s", flush=True)
-
-    logger.start()
+    logger.start(start_cycle, wandb_run)
     run_start = time.perf_counter()
     states, metrics = compiled(states)
     jax.block_until_ready((states, metrics))
     run_seconds = time.perf_counter() - run_start
     logger.close()
 
-    returns = final_returns(args, np.asarray(metrics["charts/episodic_return"]))
+    episodic_return = np.full((args.num_cycles, args.num_seeds), np.nan)
+    seed_index = {args.seed + i: i for i in range(args.num_seeds)}
+    for row in kept_rows:
+        if row["charts/episodic_return"] is not None:
+            episodic_return[row["cycle"] - 1, seed_index[row["seed"]]] = row["charts/episodic_return"]
+    episodic_return[start_cycle:] = np.asarray(metrics["charts/episodic_return"])
+    returns = final_returns(args, episodic_return)
     finite = [value for value in returns if value is not None]
+    failures = {
+        args.seed + i: {"cycle": int(cycle), "non_finite": NON_FINITE_CHECKS[int(check)]}
+        for i, (cycle, check) in enumerate(zip(np.asarray(states.failed_cycle), np.asarray(states.failed_check)))
+        if cycle > 0
+    }
     summary = {
-        "sps": args.num_cycles * args.batch_size * args.num_seeds / run_seconds,
+        "sps": (args.num_cycles - start_cycle) * args.batch_size * args.num_seeds / run_seconds,
         "compile_seconds": compile_seconds,
         "train_seconds": run_seconds,
         "total_seconds": time.perf_counter() - start,
         "env_steps_per_seed": args.num_cycles * args.batch_size,
         "num_seeds": args.num_seeds,
+        "resumed_from_cycle": start_cycle,
         "final_episodic_return": float(np.mean(finite)) if finite else None,
         "final_episodic_return_per_seed": returns,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux: KiB
+        "failures": failures,
     }
     (run_dir / "params.msgpack").write_bytes(flax.serialization.to_bytes(states.params))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -1262,17 +1551,50 @@ def run(args: Args) -> dict[str, Any]:
         f"final return {fmt(summary['final_episodic_return'])}",
         flush=True,
     )
+    for seed, failure in failures.items():
+        print(
+            f"error: seed {seed}: non-finite {failure['non_finite']} at cycle {failure['cycle']}; no update was "
+            f"applied from then on. {run_dir}/params.msgpack holds its last good parameters.",
+            file=sys.stderr,
+        )
     return summary
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = tyro.cli(Args, args=argv)
+def parse_args(argv: list[str] | None = None) -> Args:
+    """tyro, with its boxed parse errors folded into the one-line `error: ...` (exit code 2).
+    With --resume RUN_DIR, the run's args.json gives the defaults."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    default = None
+    for index, word in enumerate(argv):
+        resume_dir = argv[index + 1] if word == "--resume" and index + 1 < len(argv) else None
+        resume_dir = word.partition("=")[2] if word.startswith("--resume=") else resume_dir
+        if resume_dir and (Path(resume_dir) / "args.json").exists():
+            default = dataclasses.replace(args_from_json(Path(resume_dir) / "args.json"), resume=resume_dir)
+    captured = io.StringIO()
     try:
-        run(args)
+        with contextlib.redirect_stderr(captured):
+            return tyro.cli(Args, args=argv, default=default)
+    except SystemExit as exit_request:
+        if exit_request.code in (0, None):
+            raise
+        # The box is: a title line, the message, a rule, then help text. Keep the message.
+        lines = [line.strip(" │╭╮╰╯") for line in captured.getvalue().splitlines()]
+        is_rule = lambda text: set(text) <= set("-─")  # noqa: E731
+        body = [text for text in lines[1:] if text]
+        body = body[1:] if body and is_rule(body[0]) else body
+        message = " ".join(itertools.takewhile(lambda text: not is_rule(text), body))
+        print(f"error: {message or captured.getvalue().strip()}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        summary = run(args)
     except ConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    return 0
+    return 1 if summary["failures"] else 0
 
 
 if __name__ == "__main__":

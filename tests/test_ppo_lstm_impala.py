@@ -194,7 +194,7 @@ def test_rollout_frame_stack_and_final_obs_at_episode_boundaries(tmp_path):
     network = ppo.make_network(args, 2)
     obs_shape = ppo.stacked_obs_shape(env, env_params, args.frame_stack)
     params = ppo.init_params(network, jax.random.key(0), args, obs_shape)
-    env_carry = ppo.reset_envs(jax.random.key(1), env, env_params, args)
+    env_carry = ppo.reset_envs(jax.random.key(1), env, env_params, args.num_parallel_envs, args)
     _, transitions, _, _ = ppo.collect_rollout(params, env_carry, jax.random.key(2), network, env, env_params, 14, False, True)
     obs, final_obs, start = (np.asarray(x) for x in (transitions.obs, transitions.final_obs, transitions.episode_start))
     done = np.asarray(transitions.terminated | transitions.truncated)
@@ -223,7 +223,7 @@ def test_invalid_actions_are_never_sampled(tmp_path):
     assert ppo.uses_action_mask(args, env) and not ppo.uses_action_mask(tiny_args(tmp_path, mask_invalid_actions=False), env)
     network = ppo.make_network(args, 3)
     params = ppo.init_params(network, jax.random.key(0), args, (3, 3, 1))
-    env_carry = ppo.reset_envs(jax.random.key(1), env, env_params, args)
+    env_carry = ppo.reset_envs(jax.random.key(1), env, env_params, args.num_parallel_envs, args)
     _, transitions, _, _ = ppo.collect_rollout(params, env_carry, jax.random.key(2), network, env, env_params, 12, True, False)
     assert transitions.action_mask.shape == (12, args.num_parallel_envs, 3)
     assert np.all(np.asarray(transitions.action) != 0) and np.any(np.asarray(transitions.action) == 2)
@@ -239,7 +239,7 @@ def test_next_value_uses_pre_reset_carry(tmp_path, lstm_training):
     env, env_params = ppo.make_env(args.env_id)
     network = ppo.make_network(args, 2)
     params = ppo.init_params(network, jax.random.key(0), args, (3, 3, 1))
-    env_carry = ppo.reset_envs(jax.random.key(1), env, env_params, args)
+    env_carry = ppo.reset_envs(jax.random.key(1), env, env_params, args.num_parallel_envs, args)
     _, transitions, _, _ = ppo.collect_rollout(
         params, env_carry, jax.random.key(2), network, env, env_params, 12, False, lstm_training == "stored"
     )
