@@ -57,6 +57,9 @@ def default_window(runs: list[Run]) -> int:
     return max(1, max(len({row["cycle"] for row in run.rows}) for run in runs) // 100)
 
 
+AUTO_WINDOW = 0  # a window per run: default_window([run])
+
+
 def draw_curve(ax, x: np.ndarray, values: np.ndarray, label: str, band: str, window: int = 1, **line_style) -> None:
     """values (C, S): the mean over seeds, and std or min-max over seeds as a band; cycles where
     every seed is null are left out."""
@@ -77,10 +80,13 @@ def draw_curve(ax, x: np.ndarray, values: np.ndarray, label: str, band: str, win
 
 def plot_metric(ax, runs: list[Run], labels: list[str], metric: str, band: str, x_of=None, window: int = 1) -> None:
     """x_of(run) -> x values per logged cycle; default env steps."""
+    if len(runs) > 10:
+        ax.set_prop_cycle(color=plt.get_cmap("tab20").colors)
     for run, label in zip(runs, labels):
         env_steps, values, seeds = metric_table(run, metric)
         x = env_steps if x_of is None else x_of(run)
-        draw_curve(ax, x, values, f"{label} ({len(seeds)} seeds)" if len(seeds) > 1 else label, band, window)
+        run_window = default_window([run]) if window == AUTO_WINDOW else window
+        draw_curve(ax, x, values, f"{label} ({len(seeds)} seeds)" if len(seeds) > 1 else label, band, run_window)
     ax.set_title(metric, fontsize=9)
     ax.grid(alpha=0.3)
 
@@ -110,7 +116,8 @@ def plot_runs(
     handles, legend_labels = axes.flat[0].get_legend_handles_labels()
     if handles:
         band_name = "±1 std over seeds" if band == "std" else "min-max over seeds"
-        smoothing = f", moving average of {window} logged cycles" if window > 1 else ""
+        smoothing = {AUTO_WINDOW: ", moving average of 1% of each run's cycles", 1: ""}.get(
+            window, f", moving average of {window} logged cycles")
         figure.legend(handles, legend_labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8,
                       title=f"mean, band: {band_name}{smoothing}", title_fontsize=8)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -126,10 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--band", choices=["std", "minmax"], default="std", help="band over seeds")
     parser.add_argument("--debug-grid", action="store_true", help="a grid of the loss and debug metrics instead")
     parser.add_argument("--smooth", type=int, default=1, metavar="CYCLES",
-                        help="moving average over this many logged cycles, per seed (default 1: none)")
+                        help="moving average over this many logged cycles, per seed (default 1: none; 0: 1%% of each run's cycles)")
     options = parser.parse_args(argv)
-    if options.smooth < 1:
-        parser.error(f"--smooth must be >= 1, got {options.smooth}")
+    if options.smooth < 0:
+        parser.error(f"--smooth must be >= 0, got {options.smooth}")
     if options.out.suffix.lower() not in {".png", ".pdf", ".svg"}:
         parser.error(f"--out {options.out}: use a .png, .pdf or .svg file name")
     runs = []

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plot import default_window, plot_runs  # noqa: E402
+from plot import AUTO_WINDOW, plot_runs  # noqa: E402
 from runs import ROOT, check_out_dir, fmt, read_run, run_once, script_defaults, split_passthrough, wall_seconds  # noqa: E402
 
 # (Args field, folder-name prefix) of each swept axis.
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = [read_run(options.out_dir / row["run_dir"]) for row in finished]
         plot_runs(runs, options.out_dir / "return_vs_walltime.png", labels=[row["run_dir"] for row in finished],
                   x_of=wall_seconds, x_label="wall-clock seconds (compilation included)",
-                  window=default_window(runs))
+                  window=AUTO_WINDOW)
     print("\n" + (options.out_dir / "sweep.md").read_text())
     return 0
 
