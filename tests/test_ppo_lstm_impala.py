@@ -373,6 +373,9 @@ def run_script(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
         (["--num-parallel-envs", "6", "--num-minibatches-per-epoch", "4"], "--num-minibatches-per-epoch"),
         (["--env-id", "Breakout-MinAtr"], "Breakout-MinAtar"),
         (["--env-id", "probe_envs:ContinuousActions"], "discrete"),
+        (["--num-parallel-envs", "abc"], "--num-parallel-envs"),  # tyro's errors, folded into one line
+        (["--no-such-flag"], "--no-such-flag"),
+        (["--lstm-training", "tbptt"], "--lstm-training"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, argv, message):
