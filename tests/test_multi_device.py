@@ -10,7 +10,9 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import pytest
 
+import ppo_lstm_impala
 import ppo_mlp
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,19 +22,34 @@ TWO_CPU_DEVICES = {
 }
 
 
-def run_with_two_devices(*flags: str) -> subprocess.CompletedProcess:
+TINY_LSTM = ["--impala-channels", "4", "--torso-size", "32", "--lstm-size", "32"]
+
+
+def run_with_two_devices(*flags: str, script: str = "ppo_mlp.py") -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(ROOT / "ppo_mlp.py"), *flags], capture_output=True, text=True, timeout=900, env=TWO_CPU_DEVICES
+        [sys.executable, str(ROOT / script), *flags], capture_output=True, text=True, timeout=900, env=TWO_CPU_DEVICES
     )
 
 
-def test_a_one_device_mesh_gives_exactly_the_single_device_result():
-    args = ppo_mlp.Args(num_total_env_steps=3 * 512, num_seeds=2)
-    env, env_params = ppo_mlp.make_env(args.env_id)
+ONE_DEVICE_ARGS = {
+    "ppo_mlp": lambda: ppo_mlp.Args(num_total_env_steps=3 * 512, num_seeds=2),
+    "ppo_lstm_impala": lambda: ppo_lstm_impala.Args(
+        env_id="probe_envs:Memory", impala_channels=(4,), torso_size=32, lstm_size=32, num_parallel_envs=4,
+        num_env_steps_per_cycle=12, num_minibatches_per_epoch=2, num_epochs_per_cycle=2, num_total_env_steps=3 * 48,
+        num_seeds=2,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ONE_DEVICE_ARGS))
+def test_a_one_device_mesh_gives_exactly_the_single_device_result(name):
+    module = {"ppo_mlp": ppo_mlp, "ppo_lstm_impala": ppo_lstm_impala}[name]
+    args = ONE_DEVICE_ARGS[name]()
+    env, env_params = module.make_env(args.env_id)
     results = []
-    for mesh in [None, jax.make_mesh((1,), (ppo_mlp.DEVICE_AXIS,))]:
-        init, train = ppo_mlp.make_train(args, env, env_params, mesh)
-        states = ppo_mlp.place_on_mesh(ppo_mlp.stack_seeds([init(seed) for seed in (1, 2)]), mesh)
+    for mesh in [None, jax.make_mesh((1,), (module.DEVICE_AXIS,))]:
+        init, train = module.make_train(args, env, env_params, mesh)
+        states = module.place_on_mesh(module.stack_seeds([init(seed) for seed in (1, 2)]), mesh)
         _, metrics = jax.jit(lambda s: train(s))(states)
         results.append({name: np.asarray(value) for name, value in metrics.items()})
     for name in results[0]:
@@ -60,3 +77,39 @@ def test_envs_that_do_not_split_across_devices_are_refused(tmp_path):
     assert not (tmp_path / "never").exists()
     result = run_with_two_devices("--num-devices", "3", "--run-dir", str(tmp_path / "never"))
     assert result.returncode == 2 and "only 2 cpu device" in result.stderr
+
+
+@pytest.mark.parametrize("lstm_training", ["bptt", "stored"])
+def test_two_devices_train_the_lstm_with_the_same_global_batch(tmp_path, lstm_training):
+    """Each device steps 8 of the 16 envs and their LSTM carries; the probe is learned, and the
+    logged batch, cycles and updates are the 1-device ones."""
+    run_dir = tmp_path / lstm_training
+    result = run_with_two_devices(
+        *TINY_LSTM, "--env-id", "probe_envs:ActionDependentRewardImage", "--lstm-training", lstm_training,
+        "--num-parallel-envs", "16", "--num-env-steps-per-cycle", "8", "--num-minibatches-per-epoch", "2",
+        "--num-total-env-steps", str(16 * 8 * 40), "--lr", "3e-3", "--gamma", "0.99", "--num-devices", "2",
+        "--run-dir", str(run_dir), script="ppo_lstm_impala.py",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "on 2 devices" in result.stdout
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert sorted({row["env_steps"] for row in rows})[:2] == [128, 256]
+    assert max(row["cycle"] for row in rows) == 40
+    assert all(row["losses/epochs_run"] == 5 for row in rows)  # the default 5 epochs x 2 minibatches, all applied
+    assert all(row["charts/episodic_length"] == 1.0 for row in rows)  # both devices' episodes are counted
+    assert np.mean([row["charts/episodic_return"] for row in rows[-5:]]) > 0.9
+
+
+def test_lstm_envs_that_do_not_split_into_whole_sequences_per_device_are_refused(tmp_path):
+    # 4 envs on 2 devices: 2 sequences per device cannot make 4 bptt minibatches (fine on 1 device)
+    result = run_with_two_devices(*TINY_LSTM, "--num-devices", "2", "--num-parallel-envs", "4",
+                                  "--num-minibatches-per-epoch", "4", "--run-dir", str(tmp_path / "never"),
+                                  script="ppo_lstm_impala.py")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()], result.stderr
+    assert "--num-devices" in result.stderr and "--num-minibatches-per-epoch" in result.stderr
+    result = run_with_two_devices(*TINY_LSTM, "--num-devices", "2", "--num-parallel-envs", "3",
+                                  "--num-minibatches-per-epoch", "1", "--run-dir", str(tmp_path / "never"),
+                                  script="ppo_lstm_impala.py")
+    assert result.returncode == 2 and "--num-devices" in result.stderr
+    assert not (tmp_path / "never").exists()
