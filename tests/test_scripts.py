@@ -28,3 +28,15 @@ def test_benchmark_rejects_an_unknown_config():
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 2 and "--configs" in result.stderr
+
+
+def test_profile_cycle_splits_a_cycle_and_compares_with_the_bare_network():
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "profile_cycle.py"), "--script", "ppo_mlp.py", "--cycles", "2",
+         "--repeats", "1"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    for row in ["| cycle |", "| rollout + GAE |", "| update (epochs x minibatches) |", "| bare network"]:
+        assert row in result.stdout, row
+    assert "overhead of the loop" in result.stdout
