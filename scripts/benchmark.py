@@ -24,7 +24,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 # name -> flags. The CartPole config is PureJaxRL's ppo.py default (4 envs x 128 steps,
-# 4 epochs x 4 minibatches, 500k steps).
+# 4 epochs x 4 minibatches, 500k steps). The Breakout configs are ppo_lstm_impala.py's defaults
+# (256 envs x 128 steps) for one cycle: on a 2-core CPU one cycle takes minutes.
 CONFIGS = {
     "ppo_mlp.py": {
         "cartpole": [],
@@ -37,9 +38,9 @@ CONFIGS = {
         "gpu-1-seed-x-2048-envs": ["--num-parallel-envs", "2048", "--num-total-env-steps", "10000000"],
     },
     "ppo_lstm_impala.py": {
-        "breakout-defaults-bptt": ["--num-total-env-steps", "1048576"],
-        "breakout-defaults-stored": ["--num-total-env-steps", "1048576", "--lstm-training", "stored"],
-        "breakout-defaults-ff": ["--num-total-env-steps", "1048576", "--lstm-size", "0"],
+        "breakout-defaults-bptt": ["--num-total-env-steps", "32768"],
+        "breakout-defaults-stored": ["--num-total-env-steps", "32768", "--lstm-training", "stored"],
+        "breakout-defaults-ff": ["--num-total-env-steps", "32768", "--lstm-size", "0"],
     },
 }
 CPU_CONFIGS = {
