@@ -969,26 +969,34 @@ class MetricsLogger:
         sps = (cycle - self.last_cycle) * self.args.batch_size * self.args.num_seeds / max(elapsed, 1e-9)
         self.last_time, self.last_cycle = now, cycle
 
-        values = np.asarray(values, dtype=np.float64)
-        per_seed = {name: values[index] for index, name in enumerate(METRIC_NAMES)}
-        for index, seed in enumerate(self.seeds):
+        # Plain Python floats, NaN -> None: this runs every cycle while the device waits, so it
+        # avoids per-value NumPy calls (they made the callback ~1.5 ms, a third of a CartPole cycle).
+        per_seed = [
+            [value if math.isfinite(value) else None for value in seed_values]
+            for seed_values in np.asarray(values, dtype=np.float64).T.tolist()
+        ]
+        lines = []
+        for seed, seed_values in zip(self.seeds, per_seed):
             row = {"cycle": cycle, "env_steps": env_steps, "seed": seed, "charts/SPS": sps}
-            row.update({name: json_float(values[index]) for name, values in per_seed.items()})
-            self.file.write(json.dumps(row) + "\n")
+            row.update(zip(METRIC_NAMES, seed_values))
+            lines.append(json.dumps(row))
+        self.file.write("\n".join(lines) + "\n")
         self.file.flush()
 
-        mean = {name: json_float(np.nanmean(values)) if not np.all(np.isnan(values)) else None for name, values in per_seed.items()}
+        should_print = now - self.last_print >= 1.0 or cycle == self.args.num_cycles
+        if self.wandb_run is None and not should_print:
+            return
+        columns = {name: [value for value in column if value is not None] for name, column in zip(METRIC_NAMES, zip(*per_seed))}
+        mean = {name: sum(column) / len(column) if column else None for name, column in columns.items()}
         if self.wandb_run is not None:
             log = {name: value for name, value in mean.items() if value is not None}
             log["charts/SPS"] = sps
             if self.args.num_seeds > 1:
-                for index, seed in enumerate(self.seeds):
-                    for name, values in per_seed.items():
-                        if not np.isnan(values[index]):
-                            log[f"seed_{seed}/{name}"] = float(values[index])
+                for seed, seed_values in zip(self.seeds, per_seed):
+                    log.update({f"seed_{seed}/{name}": value for name, value in zip(METRIC_NAMES, seed_values) if value is not None})
             self.wandb_run.log(log, step=env_steps)
 
-        if now - self.last_print >= 1.0 or cycle == self.args.num_cycles:
+        if should_print:
             self.last_print = now
             episodic_return = mean["charts/episodic_return"]
             print(
@@ -1001,11 +1009,6 @@ class MetricsLogger:
 
     def close(self) -> None:
         self.file.close()
-
-
-def json_float(value: Any) -> float | None:
-    value = float(value)
-    return value if math.isfinite(value) else None
 
 
 def fmt(value: float | None) -> str:
