@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Literal, NamedTuple
 
-import distrax
 import flax.linen as nn
 import flax.serialization
 import gymnax
@@ -47,6 +46,7 @@ import numpy as np
 import optax
 import tyro
 from gymnax.environments import spaces
+from jax.flatten_util import ravel_pytree
 from jax.sharding import PartitionSpec as P
 
 # ======================================================================================
@@ -399,6 +399,16 @@ def masked(logits: jax.Array, action_mask: jax.Array | None) -> jax.Array:
     return logits if action_mask is None else jnp.where(action_mask, logits, INVALID_ACTION_LOGIT)
 
 
+def log_prob_and_entropy(logits: jax.Array, action: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """log pi(action) and the entropy of a categorical policy, from one log-softmax.
+    (distrax.Categorical gives the same numbers, tested, but its log_prob and entropy each redo
+    the log-softmax: 20% of a CartPole cycle on CPU.)"""
+    log_probs = jax.nn.log_softmax(logits)
+    log_prob = jnp.take_along_axis(log_probs, action[:, None], axis=-1)[:, 0]
+    entropy = -(jnp.exp(log_probs) * log_probs).sum(-1)
+    return log_prob, entropy
+
+
 def uses_action_mask(args: Args, env: Any) -> bool:
     return args.mask_invalid_actions and callable(getattr(env, "action_mask", None))
 
@@ -570,9 +580,7 @@ def ppo_loss_terms(
 
 def loss_fn(params: Any, batch: Batch, clip_eps: jax.Array, network: ActorCritic, args: Args, axis_name: str | None):
     logits, new_value = network.apply(params, batch.obs)
-    distribution = distrax.Categorical(logits=masked(logits, batch.action_mask))
-    new_logp = distribution.log_prob(batch.action)
-    entropy = distribution.entropy()
+    new_logp, entropy = log_prob_and_entropy(masked(logits, batch.action_mask), batch.action)
     policy_loss, value_loss, metrics = ppo_loss_terms(
         new_logp, entropy, new_value, batch, clip_eps, args.clip_vloss, args.norm_adv, axis_name
     )
@@ -581,8 +589,16 @@ def loss_fn(params: Any, batch: Batch, clip_eps: jax.Array, network: ActorCritic
 
 
 def epoch_permutation(key: jax.Array, batch_size: int) -> jax.Array:
-    """A fresh shuffle of the batch for each epoch of each cycle (keys are never reused)."""
-    return jax.random.permutation(key, batch_size)
+    """A fresh shuffle of the batch for each epoch of each cycle (keys are never reused).
+
+    One plain sort of random 32-bit words whose low bits hold the index: on CPU 3.5x faster than
+    jax.random.permutation, which sorts keys with values. Words whose random high bits tie keep
+    index order; that only ever orders two neighbours of the shuffle.
+    """
+    index_bits = max(batch_size - 1, 1).bit_length()
+    index = jnp.arange(batch_size, dtype=jnp.uint32)
+    words = jax.random.bits(key, (batch_size,), jnp.uint32) >> index_bits << index_bits | index
+    return (jnp.sort(words) & ((1 << index_bits) - 1)).astype(jnp.int32)
 
 
 def make_optimizer(args: Args) -> optax.GradientTransformation:
@@ -615,7 +631,10 @@ def update_cycle(
     """
     num_epochs, num_minibatches = args.num_epochs_per_cycle, args.num_minibatches_per_epoch
     batch_size = batch.action.shape[0]  # this device's share of the seed's batch
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    # The update works on one flat vector of every parameter: the optimizer, the clipping and the
+    # NaN guard are then a few fused ops instead of a few per layer (each op costs ~1 us on CPU).
+    params, unravel = ravel_pytree(params)
+    grad_fn = jax.value_and_grad(lambda flat, *rest: loss_fn(unravel(flat), *rest), has_aux=True)
 
     def minibatch_update(carry, minibatch_input):
         params, opt_state, stopped, non_finite, metric_sums, num_applied = carry
@@ -673,7 +692,7 @@ def update_cycle(
     )
     metrics = {name: total / jnp.maximum(num_applied, 1.0) for name, total in metric_sums.items()}
     metrics["losses/epochs_run"] = num_applied / num_minibatches
-    return params, opt_state, metrics, non_finite
+    return unravel(params), opt_state, metrics, non_finite
 
 
 # What the NaN guard checks, in order; code 0 means every check passed.
@@ -762,7 +781,8 @@ def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | 
         params = network.init(params_key, jnp.zeros((1, *obs_shape), jnp.float32))
         env_carry = reset_envs(env_key, env, env_params, args.num_parallel_envs)
         zero = jnp.int32(0)
-        return TrainState(params, optimizer.init(params), env_carry, key, zero, zero, zero)
+        opt_state = optimizer.init(ravel_pytree(params)[0])  # the update's flat parameter vector
+        return TrainState(params, opt_state, env_carry, key, zero, zero, zero)
 
     def init(seed: int) -> TrainState:
         return init_one(jax.random.key(seed))
@@ -787,7 +807,7 @@ def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | 
         _, next_value = network.apply(state.params, flat_final_obs)
         num_actions = logits.shape[-1]
         flat_mask = None if transitions.action_mask is None else transitions.action_mask.reshape(-1, num_actions)
-        logp = distrax.Categorical(logits=masked(logits, flat_mask)).log_prob(transitions.action.reshape(-1))
+        logp, _ = log_prob_and_entropy(masked(logits, flat_mask), transitions.action.reshape(-1))
 
         done = jnp.logical_or(transitions.terminated, transitions.truncated)
         bootstrap_stops = transitions.terminated if args.bootstrap_truncated else done

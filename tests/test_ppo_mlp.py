@@ -119,6 +119,33 @@ def test_loss_terms_match_hand_computation(clip_vloss, norm_adv):
     np.testing.assert_allclose(float(value_loss), expected["losses/value_loss"], rtol=1e-4)
 
 
+def test_log_prob_and_entropy_match_distrax_with_and_without_a_mask():
+    import distrax  # the reference: an independent categorical implementation
+
+    rng = np.random.default_rng(2)
+    logits = jnp.asarray(rng.normal(0.0, 3.0, (64, 5)), jnp.float32)
+    mask = jnp.asarray(rng.random((64, 5)) < 0.7).at[:, 0].set(True)
+    for action_mask in [None, mask]:
+        masked_logits = ppo_mlp.masked(logits, action_mask)
+        valid = np.ones((64, 5), bool) if action_mask is None else np.asarray(action_mask)
+        action = jnp.asarray([rng.choice(np.flatnonzero(row)) for row in valid])
+        log_prob, entropy = ppo_mlp.log_prob_and_entropy(masked_logits, action)
+        reference = distrax.Categorical(logits=masked_logits)
+        np.testing.assert_allclose(log_prob, reference.log_prob(action), rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(entropy, reference.entropy(), rtol=1e-5, atol=1e-6)
+        grads = jax.grad(lambda x: sum(v.sum() for v in ppo_mlp.log_prob_and_entropy(x, action)))(masked_logits)
+        assert np.all(np.isfinite(grads))
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 7, 128, 512, 32_768])
+def test_epoch_permutation_is_a_permutation(batch_size):
+    for seed in range(3):
+        permutation = np.asarray(ppo_mlp.epoch_permutation(jax.random.key(seed), batch_size))
+        np.testing.assert_array_equal(np.sort(permutation), np.arange(batch_size))
+    if batch_size >= 128:  # and a shuffle: far from the identity
+        assert np.mean(permutation == np.arange(batch_size)) < 0.05
+
+
 # --------------------------------------------------------------------------------------
 # Update mechanics: ratio 1 at the start, target-KL, schedules, shuffling
 # --------------------------------------------------------------------------------------
