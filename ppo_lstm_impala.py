@@ -42,7 +42,6 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Literal, NamedTuple
 
-import distrax
 import flax.linen as nn
 import flax.serialization
 import gymnax
@@ -52,6 +51,7 @@ import numpy as np
 import optax
 import tyro
 from gymnax.environments import spaces
+from jax.flatten_util import ravel_pytree
 from jax.sharding import PartitionSpec as P
 
 # ======================================================================================
@@ -558,6 +558,16 @@ def masked(logits: jax.Array, action_mask: jax.Array | None) -> jax.Array:
     return logits if action_mask is None else jnp.where(action_mask, logits, INVALID_ACTION_LOGIT)
 
 
+def log_prob_and_entropy(logits: jax.Array, action: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """log pi(action) and the entropy of a categorical policy, from one log-softmax.
+    (distrax.Categorical gives the same numbers, tested, but its log_prob and entropy each redo
+    the log-softmax: 20% of a CartPole cycle on CPU.)"""
+    log_probs = jax.nn.log_softmax(logits)
+    log_prob = jnp.take_along_axis(log_probs, action[..., None], axis=-1)[..., 0]
+    entropy = -(jnp.exp(log_probs) * log_probs).sum(-1)
+    return log_prob, entropy
+
+
 def uses_action_mask(args: Args, env: Any) -> bool:
     return args.mask_invalid_actions and callable(getattr(env, "action_mask", None))
 
@@ -698,7 +708,7 @@ def evaluate_rollout(
         params, sequence_carry, to_sequences(transitions.obs), sequence_start, network, args.num_minibatches_per_epoch
     )
     action_mask = None if transitions.action_mask is None else to_sequences(transitions.action_mask)
-    logp = distrax.Categorical(logits=masked(logits, action_mask)).log_prob(to_sequences(transitions.action))
+    logp, _ = log_prob_and_entropy(masked(logits, action_mask), to_sequences(transitions.action))
     _, _, next_value = forward_in_minibatches(
         params,
         carries.reshape(num_steps * num_envs, args.carry_size),  # carry after obs[t], (T * N, C)
@@ -788,9 +798,7 @@ def loss_fn(params: Any, batch: Batch, clip_eps: jax.Array, network: ActorCritic
     # bptt: replays whole sequences from their first carry with the rollout's resets (gradients
     # flow through time); stored: a one-step forward from each transition's stored carry.
     _, logits, new_value = network.apply(params, batch.carry, batch.obs, batch.episode_start)
-    distribution = distrax.Categorical(logits=masked(logits, batch.action_mask))
-    new_logp = distribution.log_prob(batch.action)
-    entropy = distribution.entropy()
+    new_logp, entropy = log_prob_and_entropy(masked(logits, batch.action_mask), batch.action)
     policy_loss, value_loss, metrics = ppo_loss_terms(
         new_logp, entropy, new_value, batch, clip_eps, args.clip_vloss, args.norm_adv, axis_name
     )
@@ -799,8 +807,16 @@ def loss_fn(params: Any, batch: Batch, clip_eps: jax.Array, network: ActorCritic
 
 
 def epoch_permutation(key: jax.Array, num_sequences: int) -> jax.Array:
-    """A fresh shuffle of the sequences for each epoch of each cycle (keys are never reused)."""
-    return jax.random.permutation(key, num_sequences)
+    """A fresh shuffle of the sequences for each epoch of each cycle (keys are never reused).
+
+    One plain sort of random 32-bit words whose low bits hold the index: on CPU 3.5x faster than
+    jax.random.permutation, which sorts keys with values. Words whose random high bits tie keep
+    index order; that only ever orders two neighbours of the shuffle.
+    """
+    index_bits = max(num_sequences - 1, 1).bit_length()
+    index = jnp.arange(num_sequences, dtype=jnp.uint32)
+    words = jax.random.bits(key, (num_sequences,), jnp.uint32) >> index_bits << index_bits | index
+    return (jnp.sort(words) & ((1 << index_bits) - 1)).astype(jnp.int32)
 
 
 def split_sequences(x: jax.Array, axis: int, num_minibatches: int) -> jax.Array:
@@ -878,7 +894,10 @@ def update_cycle(
     """
     num_epochs, num_minibatches = args.num_epochs_per_cycle, args.num_minibatches_per_epoch
     num_sequences = batch.carry.shape[0]  # this device's share of the seed's sequences
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    # The update works on one flat vector of every parameter: the optimizer, the clipping and the
+    # NaN guard are then a few fused ops instead of a few per layer.
+    params, unravel = ravel_pytree(params)
+    grad_fn = jax.value_and_grad(lambda flat, *rest: loss_fn(unravel(flat), *rest), has_aux=True)
 
     def minibatch_update(carry, minibatch_input):
         params, opt_state, stopped, non_finite, metric_sums, num_applied = carry
@@ -934,7 +953,7 @@ def update_cycle(
     )
     metrics = {name: total / jnp.maximum(num_applied, 1.0) for name, total in metric_sums.items()}
     metrics["losses/epochs_run"] = num_applied / num_minibatches
-    return params, opt_state, metrics, non_finite
+    return unravel(params), opt_state, metrics, non_finite
 
 
 # What the NaN guard checks, in order; code 0 means every check passed.
@@ -1027,7 +1046,8 @@ def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | 
         params = init_params(network, params_key, args, obs_shape)
         env_carry = reset_envs(env_key, env, env_params, args.num_parallel_envs, args)
         zero = jnp.int32(0)
-        return TrainState(params, optimizer.init(params), env_carry, key, zero, zero, zero)
+        opt_state = optimizer.init(ravel_pytree(params)[0])  # the update's flat parameter vector
+        return TrainState(params, opt_state, env_carry, key, zero, zero, zero)
 
     def init(seed: int) -> TrainState:
         return init_one(jax.random.key(seed))
