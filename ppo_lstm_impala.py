@@ -594,6 +594,8 @@ def init_params(network: ActorCritic, key: jax.Array, args: Args, obs_shape: tup
 # ======================================================================================
 
 
+LOG_ROWS_ENV_STEPS = 8192  # metrics rows leave the jit together, once per this many env steps
+
 DEVICE_AXIS = "devices"  # the shard_map axis that splits the parallel envs across devices
 
 
@@ -1156,7 +1158,7 @@ def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | 
     ):
         """states: TrainState with a leading seed axis, after `start_cycle` cycles. Runs the
         remaining cycles; returns final states and per-cycle metrics, each (cycles, seeds).
-        log_fn(cycle, values) and checkpoint_fn(cycle, states) are host callbacks."""
+        log_fn(cycles, num_rows, values) and checkpoint_fn(cycle, states) are host callbacks."""
 
         def one_cycle(states):
             all_failed = jnp.all(states.failed_cycle > 0)
@@ -1170,31 +1172,48 @@ def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | 
         # carries its cycle number, and the checkpointer never goes back in time.
         ordered = mesh is None
 
-        def cycle_body(states, _):
+        # A host callback costs ~0.4 ms on CPU, longer than a whole small cycle, so metrics rows
+        # wait in a buffer and leave in one callback per LOG_ROWS_ENV_STEPS env steps (every row
+        # at once for big batches). Rows also leave before every checkpoint and at the end.
+        rows_per_callback = max(1, LOG_ROWS_ENV_STEPS // args.batch_size)
+        seeds = states.cycle.shape[0]
+
+        def cycle_body(carry, _):
+            states, rows, row_cycles, num_rows = carry
             states, metrics = one_cycle(states)
+            cycle = states.cycle[0]
+            # Never checkpoint after a failure: the last good checkpoint stays on disk.
+            should_save = (cycle % args.checkpoint_interval == 0) & ~jnp.any(states.failed_cycle > 0)
             if log_fn is not None:
-                cycle = states.cycle[0]
-                should_log = jnp.logical_or(cycle % args.log_every_cycles == 0, cycle == args.num_cycles)
-                # One stacked array, not a dict: each callback argument costs ~25 us on CPU.
+                last = cycle == args.num_cycles
+                should_log = (cycle % args.log_every_cycles == 0) | last
                 values = jnp.stack([metrics[name] for name in METRIC_NAMES])  # (metrics, seeds)
+                rows = jnp.where(should_log, rows.at[num_rows].set(values), rows)
+                row_cycles = jnp.where(should_log, row_cycles.at[num_rows].set(cycle), row_cycles)
+                num_rows = num_rows + should_log
+                flush_now = (last | should_save) if checkpoint_fn is not None else last
+                flush = (num_rows > 0) & ((num_rows == rows_per_callback) | flush_now)
                 jax.lax.cond(
-                    should_log,
-                    lambda: jax.debug.callback(log_fn, cycle, values, ordered=ordered),
+                    flush,
+                    lambda: jax.debug.callback(log_fn, row_cycles, num_rows, rows, ordered=ordered),
                     lambda: None,
                 )
+                num_rows = jnp.where(flush, 0, num_rows)
             if checkpoint_fn is not None:
-                cycle = states.cycle[0]
-                # Never checkpoint after a failure: the last good checkpoint stays on disk.
-                should_save = (cycle % args.checkpoint_interval == 0) & ~jnp.any(states.failed_cycle > 0)
                 host_states = jax.tree.map(key_data_or_array, states)  # callbacks take no PRNG keys
                 jax.lax.cond(
                     should_save,
                     lambda: jax.debug.callback(checkpoint_fn, cycle, host_states, ordered=ordered),
                     lambda: None,
                 )
-            return states, metrics
+            return (states, rows, row_cycles, num_rows), metrics
 
-        return jax.lax.scan(cycle_body, states, None, length=args.num_cycles - start_cycle)
+        rows = jnp.zeros((rows_per_callback, len(METRIC_NAMES), seeds), jnp.float32)
+        row_cycles = jnp.zeros(rows_per_callback, jnp.int32)
+        (states, *_), metrics = jax.lax.scan(
+            cycle_body, (states, rows, row_cycles, jnp.int32(0)), None, length=args.num_cycles - start_cycle
+        )
+        return states, metrics
 
     return init, train
 
@@ -1250,46 +1269,41 @@ class MetricsLogger:
         self.last_time = time.perf_counter()
         self.last_cycle = cycle
 
-    def __call__(self, cycle: Any, values: Any) -> None:
-        """values: (len(METRIC_NAMES), num_seeds), in the order of METRIC_NAMES."""
+    def __call__(self, cycles: Any, num_rows: Any, values: Any) -> None:
+        """The first num_rows of cycles (rows,) and values (rows, len(METRIC_NAMES), num_seeds)."""
         if jax.process_index() != 0:  # multi-host: one writer
             return
         now = time.perf_counter()
-        cycle = int(cycle)
+        cycles = [int(cycle) for cycle in np.asarray(cycles)[: int(num_rows)]]
+        cycle = cycles[-1]
         env_steps = cycle * self.args.batch_size
         elapsed = now - (self.last_time if self.last_time is not None else now)
         sps = (cycle - self.last_cycle) * self.args.batch_size * self.args.num_seeds / max(elapsed, 1e-9)
         self.last_time, self.last_cycle = now, cycle
 
-        # Plain Python floats, NaN -> None: this runs every cycle while the device waits, so it
-        # avoids per-value NumPy calls (they made the callback ~1.5 ms, a third of a CartPole cycle).
-        per_seed = [
-            [value if math.isfinite(value) else None for value in seed_values]
-            for seed_values in np.asarray(values, dtype=np.float64).T.tolist()
-        ]
+        # Plain Python floats, NaN -> None: this runs while the device waits, so it avoids
+        # per-value NumPy calls (they made the callback ~1.5 ms, a third of a CartPole cycle).
+        rows = np.asarray(values, dtype=np.float64)[: len(cycles)].transpose(0, 2, 1).tolist()  # (rows, seeds, metrics)
         lines = []
-        for seed, seed_values in zip(self.seeds, per_seed):
-            row = {"cycle": cycle, "env_steps": env_steps, "seed": seed, "charts/SPS": sps}
-            row.update(zip(METRIC_NAMES, seed_values))
-            lines.append(json.dumps(row))
+        for row_cycle, row in zip(cycles, rows):
+            for seed, seed_values in zip(self.seeds, row):
+                line = {"cycle": row_cycle, "env_steps": row_cycle * self.args.batch_size, "seed": seed, "charts/SPS": sps}
+                line.update((name, value if math.isfinite(value) else None) for name, value in zip(METRIC_NAMES, seed_values))
+                lines.append(json.dumps(line))
         self.file.write("\n".join(lines) + "\n")
         self.file.flush()
+        if self.wandb_run is not None:  # every row, against its env steps
+            for row_cycle, row in zip(cycles, rows):
+                log = {name: value for name, value in self.seed_means(row).items() if value is not None}
+                log["charts/SPS"] = sps
+                if self.args.num_seeds > 1:
+                    for seed, seed_values in zip(self.seeds, row):
+                        log.update({f"seed_{seed}/{name}": value for name, value in zip(METRIC_NAMES, seed_values) if math.isfinite(value)})
+                self.wandb_run.log(log, step=row_cycle * self.args.batch_size)
 
-        should_print = now - self.last_print >= 1.0 or cycle == self.args.num_cycles
-        if self.wandb_run is None and not should_print:
-            return
-        columns = {name: [value for value in column if value is not None] for name, column in zip(METRIC_NAMES, zip(*per_seed))}
-        mean = {name: sum(column) / len(column) if column else None for name, column in columns.items()}
-        if self.wandb_run is not None:
-            log = {name: value for name, value in mean.items() if value is not None}
-            log["charts/SPS"] = sps
-            if self.args.num_seeds > 1:
-                for seed, seed_values in zip(self.seeds, per_seed):
-                    log.update({f"seed_{seed}/{name}": value for name, value in zip(METRIC_NAMES, seed_values) if value is not None})
-            self.wandb_run.log(log, step=env_steps)
-
-        if should_print:
+        if now - self.last_print >= 1.0 or cycle == self.args.num_cycles:
             self.last_print = now
+            mean = self.seed_means(rows[-1])
             episodic_return = mean["charts/episodic_return"]
             print(
                 f"cycle {cycle}/{self.args.num_cycles} | env steps {env_steps:,} | SPS {sps:,.0f} | "
@@ -1298,6 +1312,12 @@ class MetricsLogger:
                 f"entropy {fmt(mean['losses/entropy'])} | approxkl3 {fmt(mean['losses/actor_approxkl3'])}",
                 flush=True,
             )
+
+    @staticmethod
+    def seed_means(row: list[list[float]]) -> dict[str, float | None]:
+        """Each metric's mean over the seeds where it is finite; None where it is nowhere."""
+        columns = [[value for value in column if math.isfinite(value)] for column in zip(*row)]
+        return {name: sum(column) / len(column) if column else None for name, column in zip(METRIC_NAMES, columns)}
 
     def close(self) -> None:
         self.file.close()
