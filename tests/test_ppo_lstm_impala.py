@@ -82,6 +82,19 @@ def test_compute_gae_matches_reference(bootstrap_truncated):
     np.testing.assert_allclose(target, expected_target, rtol=1e-5, atol=1e-5)
 
 
+def test_log_prob_and_entropy_match_distrax_on_sequences():
+    # (T, B, A) logits, as the recurrent forward returns them; invalid actions masked.
+    rng = np.random.default_rng(3)
+    logits = jnp.asarray(rng.normal(0.0, 3.0, (8, 6, 4)), jnp.float32)
+    mask = jnp.asarray(rng.random((8, 6, 4)) < 0.7).at[..., 0].set(True)
+    masked_logits = ppo.masked(logits, mask)
+    action = jnp.asarray([[rng.choice(np.flatnonzero(row)) for row in step] for step in np.asarray(mask)])
+    log_prob, entropy = ppo.log_prob_and_entropy(masked_logits, action)
+    reference = distrax.Categorical(logits=masked_logits)
+    np.testing.assert_allclose(log_prob, reference.log_prob(action), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(entropy, reference.entropy(), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("clip_vloss", [True, False])
 @pytest.mark.parametrize("norm_adv", [True, False])
 def test_ppo_loss_terms_matches_reference(clip_vloss, norm_adv):
