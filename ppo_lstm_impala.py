@@ -1346,8 +1346,16 @@ def default_run_dir(args: Args) -> Path:
     return Path("runs") / f"{env_name}__{args.exp_name}__{args.seed}__{stamp}"
 
 
+def script_info() -> dict[str, str]:
+    """Which file wrote a run: args.json records it, so that the tools in scripts/ load this
+    file (or a renamed copy of it) to read the run."""
+    return {"script": Path(__file__).name, "script_path": str(Path(__file__).resolve())}
+
+
 def args_from_json(path: Path) -> Args:
     data = json.loads(Path(path).read_text())
+    for key in script_info():
+        data.pop(key, None)
     data["impala_channels"] = tuple(data["impala_channels"])
     return Args(**data)
 
@@ -1528,7 +1536,7 @@ def run(args: Args) -> dict[str, Any]:
         print(f"resuming {run_dir} from cycle {start_cycle}", flush=True)
     else:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=2) + "\n")
+        (run_dir / "args.json").write_text(json.dumps({**script_info(), **dataclasses.asdict(args)}, indent=2) + "\n")
     wandb_run = None
     if args.track:
         import wandb
