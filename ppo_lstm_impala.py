@@ -1,30 +1,19 @@
 """PPO with an IMPALA CNN torso and an LSTM, for gymnax environments with (H, W, C) image
 observations (e.g. the MinAtar games) and discrete actions.
 
-One file, no package: copy it and own it. The whole training run (rollout, GAE, every epoch and
-minibatch, all seeds) is one `jax.jit` over `jax.lax.scan`; metrics leave it through a host
-callback, to the console, `RUN_DIR/metrics.jsonl` and (with `--track`) wandb.
-
     python ppo_lstm_impala.py --env-id Breakout-MinAtar --num-seeds 5
 
-Sibling of ppo_mlp.py: `diff ppo_mlp.py ppo_lstm_impala.py` shows the network, the recurrent
-carry and how minibatches are cut (whole env sequences for BPTT, or single transitions with
-their stored LSTM carry).
+Sibling of ppo_mlp.py: `diff ppo_mlp.py ppo_lstm_impala.py` shows the network, the recurrent carry
+and how minibatches are cut (whole env sequences for BPTT, or single transitions with their
+stored LSTM carry).
 
-Sections: Args | environment | containers | network | algorithm | make_train | logging | main.
-"37 details" item numbers refer to Huang et al. (2022),
-https://iclr-blog-track.github.io/2022/03/25/ppo-implementation-details/
+One file: copy it and own it. Read top to bottom: Args, containers, network, then PPO in run order,
+all in one `jax.jit` over `jax.lax.scan`. Below the "Infrastructure" marker sits what PPO does not
+need: validation, env loading, devices, metric callbacks, the NaN guard, checkpoints, `run`.
+"37 details" numbers: https://iclr-blog-track.github.io/2022/03/25/ppo-implementation-details/
 """
 
 from __future__ import annotations
-
-import os
-
-# jaxlib 0.10 on CPU can deadlock in executables with several batched QR factorizations (flax's
-# orthogonal init under vmap). This scheduler flag avoids it at full speed; it is a CPU-only flag
-# and does nothing on GPU. We only set it when the user has not set XLA_FLAGS themselves.
-if "XLA_FLAGS" not in os.environ:
-    os.environ["XLA_FLAGS"] = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 import contextlib
 import dataclasses
@@ -35,6 +24,7 @@ import io
 import itertools
 import json
 import math
+import os
 import re
 import resource
 import sys
@@ -51,12 +41,9 @@ import numpy as np
 import optax
 import tyro
 from gymnax.environments import spaces
-from jax.flatten_util import ravel_pytree
 from jax.sharding import PartitionSpec as P
 
-# ======================================================================================
-# Args
-# ======================================================================================
+# --- Args ----------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,289 +51,92 @@ class Args:
     """PPO with an IMPALA CNN and an LSTM, for gymnax environments with image observations."""
 
     # --- experiment -----------------------------------------------------------------
-    env_id: str = "Breakout-MinAtar"
-    """a gymnax id with (H, W, C) observations (e.g. Breakout-MinAtar, SpaceInvaders-MinAtar), or `module.path:Name` where Name is a gymnax
-    Environment subclass or a zero-argument factory returning (env, env_params)"""
-    exp_name: str = Path(__file__).stem
-    """name of this experiment, used in the default run dir and the wandb run name"""
-    seed: int = 1
-    """seed of the first run; seed i uses seed + i"""
-    num_seeds: int = 1
-    """independent seeds trained together in one compiled program (jax.vmap)"""
-    num_total_env_steps: int = 20_000_000
-    """environment steps per seed"""
+    env_id: str = "Breakout-MinAtar"  # an image-observation gymnax id, or `module.path:Name` (see ppo_mlp.py)
+    exp_name: str = Path(__file__).stem  # name of the experiment, in the default run dir and the wandb run name
+    seed: int = 1  # seed of the first run; seed i uses seed + i
+    num_seeds: int = 1  # independent seeds trained together in one compiled program (jax.vmap)
+    num_total_env_steps: int = 20_000_000  # environment steps per seed
 
     # --- rollout (37 details: 1 vectorized env) ---------------------------------------
-    num_parallel_envs: int = 256
-    """parallel environments per seed"""
-    num_env_steps_per_cycle: int = 128
-    """steps each env takes per rollout; one cycle = one rollout + its update epochs"""
-    reset_envs_each_cycle: bool = False
-    """UED style: every cycle starts from freshly reset environments and zero LSTM carries;
-    episodes never span cycles"""
-    bootstrap_truncated: bool = True
-    """a truncated (time-limit) step bootstraps from V(final_observation); off: treated as a
-    termination, as in most older PPO code"""
+    num_parallel_envs: int = 256  # parallel environments per seed
+    num_env_steps_per_cycle: int = 128  # steps per env per rollout; one cycle = one rollout + its update epochs
+    reset_envs_each_cycle: bool = False  # UED style: every cycle starts from fresh episodes and zero LSTM carries
+    bootstrap_truncated: bool = True  # time-limit steps bootstrap from V(final_observation); off: as terminations
 
     # --- optimisation (37 details: 3 Adam eps, 4 LR annealing, 6 minibatches) --------
-    num_epochs_per_cycle: int = 5
-    """passes over the rollout per cycle (K epochs)"""
-    num_minibatches_per_epoch: int = 8
-    """minibatches each epoch is cut into (with bptt: groups of whole env sequences)"""
-    lr: float = 5e-5
-    """Adam learning rate"""
-    anneal_lr: bool = True
-    """anneal the learning rate linearly to exactly 0 at the run's last gradient step"""
-    adam_eps: float = 1e-5
-    """Adam epsilon (PyTorch's default is 1e-8; the PPO baselines use 1e-5)"""
-    max_grad_norm: float = 0.5
-    """clip gradients to this global norm (37 details: 11)"""
+    num_epochs_per_cycle: int = 5  # passes over the rollout per cycle (K epochs)
+    num_minibatches_per_epoch: int = 8  # minibatches each epoch is cut into (bptt: groups of whole env sequences)
+    lr: float = 5e-5  # Adam learning rate
+    anneal_lr: bool = True  # linearly to exactly 0 at the last update (optax counts applied updates only)
+    adam_eps: float = 1e-5  # Adam epsilon (PyTorch's default is 1e-8; the PPO baselines use 1e-5)
+    max_grad_norm: float = 0.5  # clip gradients to this global norm (37 details: 11)
 
     # --- loss (37 details: 5 GAE, 7 adv norm, 8 clipped objective, 9 value clipping, 10) --
-    gamma: float = 0.999
-    """discount factor"""
-    gae_lambda: float = 0.95
-    """GAE lambda"""
-    clip_eps: float = 0.1
-    """PPO clip range, also used for value clipping"""
-    anneal_clip_eps: bool = False
-    """anneal the clip range linearly to exactly 0 at the last gradient step"""
-    clip_vloss: bool = True
-    """clip the value loss around the rollout's values"""
-    norm_adv: bool = True
-    """normalize advantages per minibatch"""
-    ent_coef: float = 0.001
-    """entropy bonus coefficient"""
-    vf_coef: float = 0.5
-    """value loss coefficient"""
-    target_kl: float | None = None
-    """skip the rest of a cycle's updates once a minibatch's approxkl3 exceeds this"""
-    mask_invalid_actions: bool = True
-    """if the env has a method `action_mask(env_state, env_params) -> bool (A,)`, invalid actions
-    get zero probability in the rollout and in the loss (37 details: invalid action masking)"""
+    gamma: float = 0.999  # discount factor
+    gae_lambda: float = 0.95  # GAE lambda
+    clip_eps: float = 0.1  # PPO clip range, also used for value clipping
+    anneal_clip_eps: bool = False  # anneal the clip range linearly to exactly 0 at the last gradient step
+    clip_vloss: bool = True  # clip the value loss around the rollout's values
+    norm_adv: bool = True  # normalize advantages per minibatch
+    ent_coef: float = 0.001  # entropy bonus coefficient
+    vf_coef: float = 0.5  # value loss coefficient
+    target_kl: float | None = None  # skip the rest of a cycle's updates once a minibatch's approxkl3 exceeds this
+    mask_invalid_actions: bool = True  # if the env has `action_mask(env_state, env_params) -> bool (A,)`
 
     # --- network (37 details: 2 orthogonal init, 13 separate networks) ----------------
-    impala_channels: tuple[int, ...] = (16, 32, 32)
-    """channels of the IMPALA stages (conv, max-pool, two residual blocks each)"""
-    torso_size: int = 256
-    """width of the dense layer after the convolutions"""
-    lstm_size: int = 256
-    """LSTM width; 0: no LSTM, a purely feed-forward IMPALA network (IMPALA-FF)"""
+    impala_channels: tuple[int, ...] = (16, 32, 32)  # channels of the IMPALA stages (conv, max-pool, 2 residual blocks)
+    torso_size: int = 256  # width of the dense layer after the convolutions
+    lstm_size: int = 256  # LSTM width; 0: no LSTM, a feed-forward IMPALA network (IMPALA-FF)
+    # bptt: minibatches of whole env sequences, replayed from the rollout's first carry, with
+    # gradients through time; stored: single transitions, each a one-step forward from the carry
+    # stored during the rollout (no gradient through time, more memory)
     lstm_training: Literal["bptt", "stored"] = "bptt"
-    """bptt: minibatches of whole env sequences, replayed from the rollout's first carry, with
-    gradients through time; stored: single transitions, each a one-step forward from the carry
-    stored during the rollout (no gradient through time, more memory)"""
-    separate_critic: bool = False
-    """the critic gets its own torso and LSTM, instead of sharing the actor's"""
-    frame_stack: int = 1
-    """stack the last K observations along the channel axis"""
-    orthogonal_init: bool = True
-    """orthogonal init (gain sqrt(2) convs and dense torso, 1.0 LSTM, 0.01 actor head, 1.0 critic
-    head, zero biases); off: flax's default init"""
+    separate_critic: bool = False  # the critic gets its own torso and LSTM, instead of sharing the actor's
+    frame_stack: int = 1  # stack the last K observations along the channel axis
+    orthogonal_init: bool = True  # gains sqrt(2) convs/dense, 1 LSTM, 0.01 actor, 1 critic, zero biases; off: flax's
 
     # --- scale (37 details, auxiliary: parallelized gradient update) ----------------------
-    num_devices: int = 1
-    """devices to split the parallel envs across (0 = every device); each computes gradients on
-    its share of every minibatch, and they are averaged (pmean) before the optimizer step"""
-    distributed: bool = False
-    """multi-host: call jax.distributed.initialize() (from the cluster's environment variables)
-    so that --num-devices spans every host's devices"""
+    num_devices: int = 1  # split the parallel envs across devices (0 = all); gradients are pmean-ed
+    distributed: bool = False  # multi-host: jax.distributed.initialize() first, from the cluster's env vars
 
     # --- logging ----------------------------------------------------------------------
-    track: bool = False
-    """log to Weights & Biases"""
-    wandb_project: str = "ppo-jax"
-    """wandb project"""
-    wandb_entity: str | None = None
-    """wandb entity (team or user)"""
-    wandb_group: str | None = None
-    """wandb group"""
-    wandb_mode: Literal["online", "offline", "disabled"] = "online"
-    """wandb mode; offline writes the run under RUN_DIR/wandb for a later `wandb sync`"""
-    run_dir: str | None = None
-    """output folder; default runs/<env>__<exp-name>__<seed>__<time>"""
-    log_every_cycles: int = 1
-    """write metrics every this many cycles (the last cycle is always written)"""
-    checkpoint_every_cycles: int | None = None
-    """write RUN_DIR/checkpoint.npz (the full training state) every this many cycles; default:
-    about every 10% of the run"""
-    resume: str | None = None
-    """continue the run in this run dir from its last checkpoint, with its args.json; flags given
-    here may change only logging (--track, --wandb-*, --log-every-cycles, --checkpoint-every-cycles)"""
+    track: bool = False  # log to Weights & Biases
+    wandb_project: str = "ppo-jax"  # wandb project
+    wandb_entity: str | None = None  # wandb entity (team or user)
+    wandb_group: str | None = None  # wandb group
+    wandb_mode: Literal["online", "offline", "disabled"] = "online"  # offline: RUN_DIR/wandb, for `wandb sync`
+    run_dir: str | None = None  # output folder; default runs/<env>__<exp-name>__<seed>__<time>
+    log_every_cycles: int = 1  # write metrics every this many cycles (the last cycle is always written)
+    checkpoint_every_cycles: int | None = None  # save the full training state; default: every 10% of the run
+    resume: str | None = None  # continue this run dir from its last checkpoint; only logging flags may change
 
     # --- derived ----------------------------------------------------------------------
     @property
-    def batch_size(self) -> int:
-        """transitions per rollout, per seed"""
+    def batch_size(self) -> int:  # transitions per rollout, per seed
         return self.num_parallel_envs * self.num_env_steps_per_cycle
-
-    @property
-    def minibatch_size(self) -> int:
-        return self.batch_size // self.num_minibatches_per_epoch
-
-    @property
-    def sequence_length(self) -> int:
-        """steps in each sequence the loss unrolls: the whole rollout for bptt, 1 for stored"""
-        return self.num_env_steps_per_cycle if self.lstm_training == "bptt" else 1
-
-    @property
-    def num_sequences(self) -> int:
-        """sequences per rollout, per seed; minibatches are cut along them"""
-        return self.batch_size // self.sequence_length
-
-    @property
-    def num_lstms(self) -> int:
-        return 2 if self.separate_critic else 1
-
-    @property
-    def carry_size(self) -> int:
-        """floats of recurrent state per env: (c, h) of each LSTM"""
-        return self.num_lstms * 2 * self.lstm_size
 
     @property
     def num_cycles(self) -> int:
         return self.num_total_env_steps // self.batch_size
 
     @property
-    def checkpoint_interval(self) -> int:
-        return self.checkpoint_every_cycles or max(1, self.num_cycles // 10)
+    def sequence_length(self) -> int:  # steps each loss sequence unrolls: the whole rollout for bptt, 1 for stored
+        return self.num_env_steps_per_cycle if self.lstm_training == "bptt" else 1
 
     @property
-    def num_gradient_steps(self) -> int:
-        """nominal gradient steps in the whole run (target-KL may skip some)"""
+    def num_sequences(self) -> int:  # sequences per rollout, per seed; minibatches are cut along them
+        return self.batch_size // self.sequence_length
+
+    @property
+    def carry_size(self) -> int:  # floats of recurrent state per env: (c, h) of each LSTM
+        return (2 if self.separate_critic else 1) * 2 * self.lstm_size
+
+    @property
+    def num_gradient_steps(self) -> int:  # nominal, in the whole run (target-KL may skip some)
         return self.num_cycles * self.num_epochs_per_cycle * self.num_minibatches_per_epoch
 
 
-class ConfigError(ValueError):
-    """Bad user input. `main` prints it as one line and exits with code 2."""
-
-
-def validate_args(args: Args) -> None:
-    """Every check on the arguments, in one place, before anything is compiled or written."""
-    positive_ints = [
-        "num_seeds",
-        "num_total_env_steps",
-        "num_parallel_envs",
-        "num_env_steps_per_cycle",
-        "num_epochs_per_cycle",
-        "num_minibatches_per_epoch",
-        "log_every_cycles",
-        "torso_size",
-        "frame_stack",
-    ]
-    for name in positive_ints:
-        if getattr(args, name) <= 0:
-            raise ConfigError(f"{flag(name)} must be a positive integer, got {getattr(args, name)}")
-    if args.num_devices < 0:
-        raise ConfigError(f"--num-devices must be >= 0 (0 = every device), got {args.num_devices}")
-    if args.seed < 0:
-        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
-    if args.lstm_training == "bptt" and args.num_parallel_envs % args.num_minibatches_per_epoch != 0:
-        raise ConfigError(
-            f"--lstm-training bptt cuts minibatches of whole env sequences, so --num-parallel-envs "
-            f"{args.num_parallel_envs} must be divisible by --num-minibatches-per-epoch "
-            f"{args.num_minibatches_per_epoch}"
-        )
-    if args.batch_size % args.num_minibatches_per_epoch != 0:
-        raise ConfigError(
-            f"--num-minibatches-per-epoch {args.num_minibatches_per_epoch} does not divide the "
-            f"batch of --num-parallel-envs x --num-env-steps-per-cycle = {args.batch_size}"
-        )
-    if args.num_cycles == 0:
-        raise ConfigError(
-            f"--num-total-env-steps {args.num_total_env_steps} is smaller than one cycle "
-            f"(--num-parallel-envs x --num-env-steps-per-cycle = {args.batch_size})"
-        )
-    for name in ["lr", "clip_eps", "max_grad_norm", "adam_eps"]:
-        if not getattr(args, name) > 0:
-            raise ConfigError(f"{flag(name)} must be > 0, got {getattr(args, name)}")
-    for name in ["ent_coef", "vf_coef"]:
-        if not getattr(args, name) >= 0:
-            raise ConfigError(f"{flag(name)} must be >= 0, got {getattr(args, name)}")
-    for name in ["gamma", "gae_lambda"]:
-        if not 0 <= getattr(args, name) <= 1:
-            raise ConfigError(f"{flag(name)} must be in [0, 1], got {getattr(args, name)}")
-    if args.checkpoint_every_cycles is not None and args.checkpoint_every_cycles <= 0:
-        raise ConfigError(f"--checkpoint-every-cycles must be a positive integer, got {args.checkpoint_every_cycles}")
-    if args.target_kl is not None and not args.target_kl > 0:
-        raise ConfigError(f"--target-kl must be > 0 when set, got {args.target_kl}")
-    if not args.impala_channels or min(args.impala_channels) <= 0:
-        raise ConfigError(f"--impala-channels must be one or more positive integers, got {args.impala_channels}")
-    if args.lstm_size < 0:
-        raise ConfigError(f"--lstm-size must be >= 0 (0: no LSTM), got {args.lstm_size}")
-
-
-def flag(field_name: str) -> str:
-    return "--" + field_name.replace("_", "-")
-
-
-# ======================================================================================
-# Environment
-# ======================================================================================
-
-
-def make_env(env_id: str) -> tuple[Any, Any]:
-    """`env_id` is a gymnax id or `module.path:Name` (an Environment subclass, or a
-    zero-argument factory returning (env, env_params))."""
-    if ":" in env_id:
-        module_name, _, attr_name = env_id.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as error:
-            raise ConfigError(f"--env-id {env_id}: cannot import module {module_name!r} ({error})")
-        if not hasattr(module, attr_name):
-            raise ConfigError(f"--env-id {env_id}: module {module_name!r} has no attribute {attr_name!r}")
-        target = getattr(module, attr_name)
-        if isinstance(target, type) and issubclass(target, gymnax.environments.environment.Environment):
-            env = target()
-            env_params = env.default_params
-        elif callable(target):
-            made = target()
-            if not (isinstance(made, tuple) and len(made) == 2):
-                raise ConfigError(f"--env-id {env_id}: the factory must return (env, env_params)")
-            env, env_params = made
-        else:
-            raise ConfigError(f"--env-id {env_id}: {attr_name!r} is neither an Environment class nor a factory")
-    else:
-        if env_id not in gymnax.registered_envs:
-            close = difflib.get_close_matches(env_id, gymnax.registered_envs, n=3, cutoff=0.5)
-            hint = f"; did you mean {', '.join(close)}?" if close else "; see gymnax.registered_envs"
-            raise ConfigError(f"--env-id {env_id} is not a gymnax environment{hint}")
-        env, env_params = gymnax.make(env_id)
-    action_space = env.action_space(env_params)
-    if not isinstance(action_space, spaces.Discrete):
-        raise ConfigError(
-            f"--env-id {env_id} has a {type(action_space).__name__} action space; "
-            f"{Path(__file__).name} supports discrete actions only"
-        )
-    obs_shape = tuple(env.observation_space(env_params).shape)
-    if len(obs_shape) != 3:
-        raise ConfigError(
-            f"--env-id {env_id} has observations of shape {obs_shape}; {Path(__file__).name} "
-            f"needs (H, W, C) images, use ppo_mlp.py"
-        )
-    return env, env_params
-
-
-def stacked_obs_shape(env: Any, env_params: Any, frame_stack: int) -> tuple[int, ...]:
-    height, width, channels = env.observation_space(env_params).shape
-    return (height, width, channels * frame_stack)
-
-
-def push_frame(stack: jax.Array, frame: jax.Array, episode_start: jax.Array) -> jax.Array:
-    """stack (N, H, W, C * K), frame (N, H, W, C) -> the new stack, newest frame last.
-
-    Convention: at an episode start the stack is zeros except the newest frame (no frames from
-    the previous episode leak in)."""
-    channels = frame.shape[-1]
-    older = stack[..., channels:]  # drops the oldest frame; empty when K = 1
-    older = jnp.where(episode_start[:, None, None, None], jnp.zeros_like(older), older)
-    return jnp.concatenate([older, frame.astype(jnp.float32)], axis=-1)
-
-
-# ======================================================================================
-# Containers
-# ======================================================================================
+# --- Containers ----------------------------------------------------------------------------
 
 
 class Transition(NamedTuple):
@@ -408,13 +198,22 @@ class TrainState(NamedTuple):
     env: EnvCarry
     key: jax.Array
     cycle: jax.Array  # cycles completed
-    failed_cycle: jax.Array  # 0 while healthy; else the cycle whose update was not finite
-    failed_check: jax.Array  # index into NON_FINITE_CHECKS of what was not finite
+    non_finite: jax.Array  # NaN guard: 0 while healthy, else the NON_FINITE_CHECKS index that failed
+    non_finite_cycle: jax.Array  # the cycle whose update was not finite (0 while healthy)
 
 
-# ======================================================================================
-# Network
-# ======================================================================================
+class UpdateCarry(NamedTuple):
+    """What the minibatch updates of one cycle carry from one to the next."""
+
+    params: Any
+    opt_state: Any
+    kl_stopped: jax.Array  # bool: --target-kl was exceeded; no later minibatch of the cycle is applied
+    non_finite: jax.Array  # NaN guard: 0, or the NON_FINITE_CHECKS index of the first non-finite value
+    metric_sums: dict[str, jax.Array]  # over the minibatches applied
+    num_applied: jax.Array  # minibatch updates applied
+
+
+# --- Network -------------------------------------------------------------------------------
 
 HIDDEN_GAIN = math.sqrt(2.0)  # 37 details: 2; convs and the dense torso layer
 LSTM_GAIN = 1.0  # input and recurrent kernels of the LSTM
@@ -559,9 +358,7 @@ def masked(logits: jax.Array, action_mask: jax.Array | None) -> jax.Array:
 
 
 def log_prob_and_entropy(logits: jax.Array, action: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """log pi(action) and the entropy of a categorical policy, from one log-softmax.
-    (distrax.Categorical gives the same numbers, tested, but its log_prob and entropy each redo
-    the log-softmax: 20% of a CartPole cycle on CPU.)"""
+    """log pi(action) and the entropy of a categorical policy (as distrax.Categorical, tested)."""
     log_probs = jax.nn.log_softmax(logits)
     log_prob = jnp.take_along_axis(log_probs, action[..., None], axis=-1)[..., 0]
     entropy = -(jnp.exp(log_probs) * log_probs).sum(-1)
@@ -574,64 +371,41 @@ def uses_action_mask(args: Args, env: Any) -> bool:
 
 def make_network(args: Args, num_actions: int) -> ActorCritic:
     return ActorCritic(
-        num_actions=num_actions,
-        impala_channels=tuple(args.impala_channels),
-        torso_size=args.torso_size,
-        lstm_size=args.lstm_size,
-        orthogonal_init=args.orthogonal_init,
-        separate_critic=args.separate_critic,
+        num_actions, tuple(args.impala_channels), args.torso_size, args.lstm_size, args.orthogonal_init, args.separate_critic
     )
 
 
 def init_params(network: ActorCritic, key: jax.Array, args: Args, obs_shape: tuple[int, ...]) -> Any:
-    """Parameters of one seed (never vmap this: batched QR, see the XLA_FLAGS note)."""
     carry = jnp.zeros((1, args.carry_size), jnp.float32)
     return network.init(key, carry, jnp.zeros((1, 1, *obs_shape), jnp.float32), jnp.zeros((1, 1), bool))
 
 
-# ======================================================================================
-# Algorithm: pure functions
-# ======================================================================================
+# --- PPO, in run order: rollout, GAE, loss, minibatch update, epochs, cycle, make_train -------
+# To hack: the network above, the loss in loss_fn, the optimizer in make_optimizer, the logged
+# metrics at the end of train_cycle, the environment in make_env (below the marker).
 
 
-LOG_ROWS_ENV_STEPS = 8192  # metrics rows leave the jit together, once per this many env steps
-
-DEVICE_AXIS = "devices"  # the shard_map axis that splits the parallel envs across devices
-
-
-def mean_over_devices(x: Any, axis_name: str | None) -> Any:
-    """The mean of every device's value under shard_map; the value itself on one device."""
-    return x if axis_name is None else jax.lax.pmean(x, axis_name)
+def stacked_obs_shape(env: Any, env_params: Any, frame_stack: int) -> tuple[int, ...]:
+    height, width, channels = env.observation_space(env_params).shape
+    return (height, width, channels * frame_stack)
 
 
-def sum_over_devices(x: Any, axis_name: str | None) -> Any:
-    return x if axis_name is None else jax.lax.psum(x, axis_name)
-
-
-def linear_schedule(start: float, step: jax.Array, num_steps: int) -> jax.Array:
-    """`start` at step 0, falling linearly to exactly 0 at step num_steps - 1, never below."""
-    fraction = 1.0 - step / max(num_steps - 1, 1)
-    return start * jnp.clip(fraction, 0.0, 1.0)
+def push_frame(stack: jax.Array, frame: jax.Array, episode_start: jax.Array) -> jax.Array:
+    """stack (N, H, W, C * K), frame (N, H, W, C) -> the new stack, newest frame last. At an
+    episode start the stack is zeros except the newest frame (no frames of the last episode)."""
+    channels = frame.shape[-1]
+    older = stack[..., channels:]  # drops the oldest frame; empty when K = 1
+    older = jnp.where(episode_start[:, None, None, None], jnp.zeros_like(older), older)
+    return jnp.concatenate([older, frame.astype(jnp.float32)], axis=-1)
 
 
 def collect_rollout(
-    params: Any,
-    env_carry: EnvCarry,
-    key: jax.Array,
-    network: ActorCritic,
-    env: Any,
-    env_params: Any,
-    num_steps: int,
-    mask_actions: bool,
-    store_carries: bool,
+    params: Any, env_carry: EnvCarry, key: jax.Array, network: ActorCritic, env: Any, env_params: Any,
+    num_steps: int, mask_actions: bool, store_carries: bool,
 ) -> tuple[EnvCarry, Transition, jax.Array, jax.Array]:
-    """Steps N envs for T steps with the current policy, carrying the LSTM state.
-
-    Returns the new carry, the transitions, and per step the return and length of episodes that
-    ended there (NaN where none ended). Random numbers for the whole rollout are drawn up front,
-    in one batched call each, so the sequential loop does only the policy, the env and the sampling.
-    With store_carries, each step's LSTM carry (after its reset) is kept for --lstm-training stored.
-    """
+    """Steps N envs for T steps with the current policy, carrying the LSTM state. Returns the new
+    carry, the transitions, and per step the return and length of episodes that ended there (NaN
+    where none ended). With store_carries each step's carry (after its reset) is kept (stored)."""
     num_envs = env_carry.obs.shape[0]
     num_actions = env.action_space(env_params).n
     gumbel_key, env_key = jax.random.split(key)
@@ -640,14 +414,11 @@ def collect_rollout(
 
     def step(carry: EnvCarry, step_input):
         step_gumbel, step_keys = step_input
-        lstm_carries, logits, _ = network.apply(
-            params, carry.lstm_carry, carry.obs[None], carry.episode_start[None]
-        )  # one step: (1, N, ...)
+        lstm_carries, logits, _ = network.apply(params, carry.lstm_carry, carry.obs[None], carry.episode_start[None])
         action_mask = jax.vmap(env.action_mask, in_axes=(0, None))(carry.env_state, env_params) if mask_actions else None
         action = jnp.argmax(masked(logits[0], action_mask) + step_gumbel, axis=-1)  # Gumbel-max = categorical sample
-        next_frame, env_state, reward, terminated, truncated, info = jax.vmap(
-            env.step, in_axes=(0, 0, 0, None)
-        )(step_keys, carry.env_state, action, env_params)
+        step_all = jax.vmap(env.step, in_axes=(0, 0, 0, None))
+        next_frame, env_state, reward, terminated, truncated, info = step_all(step_keys, carry.env_state, action, env_params)
         done = jnp.logical_or(terminated, truncated)
         next_obs = push_frame(carry.obs, next_frame, done)
         # The stack the step produced, before the reset: the same history, its own last frame.
@@ -656,33 +427,18 @@ def collect_rollout(
         episode_length = carry.episode_length + 1
         finished_return = jnp.where(done, episode_return, jnp.nan)
         finished_length = jnp.where(done, episode_length, jnp.nan)
-        new_carry = EnvCarry(
-            env_state=env_state,
-            obs=next_obs,
-            episode_start=done,  # the reset itself happens in the next forward pass
-            lstm_carry=lstm_carries[0],
-            episode_return=jnp.where(done, 0.0, episode_return),
-            episode_length=jnp.where(done, 0, episode_length),
+        new_carry = EnvCarry(  # the carry reset itself happens in the next forward pass, from episode_start
+            env_state, next_obs, done, lstm_carries[0], jnp.where(done, 0.0, episode_return), jnp.where(done, 0, episode_length)
         )
-        stored_carry = (
-            reset_carry(carry.lstm_carry, carry.episode_start) if store_carries else carry.lstm_carry[:, :0]
-        )
+        stored_carry = reset_carry(carry.lstm_carry, carry.episode_start) if store_carries else carry.lstm_carry[:, :0]
         transition = Transition(
-            obs=carry.obs,
-            episode_start=carry.episode_start,
-            carry=stored_carry,
-            action=action,
-            reward=reward.astype(jnp.float32),
-            terminated=terminated,
-            truncated=truncated,
-            final_obs=final_obs,
+            obs=carry.obs, episode_start=carry.episode_start, carry=stored_carry, action=action,
+            reward=reward.astype(jnp.float32), terminated=terminated, truncated=truncated, final_obs=final_obs,
             action_mask=action_mask,
         )
         return new_carry, (transition, finished_return, finished_length)
 
-    env_carry, (transitions, finished_return, finished_length) = jax.lax.scan(
-        step, env_carry, (gumbel, env_keys)
-    )
+    env_carry, (transitions, finished_return, finished_length) = jax.lax.scan(step, env_carry, (gumbel, env_keys))
     return env_carry, transitions, finished_return, finished_length
 
 
@@ -723,13 +479,8 @@ def evaluate_rollout(
 
 
 def compute_gae(
-    reward: jax.Array,
-    value: jax.Array,
-    next_value: jax.Array,
-    terminated: jax.Array,
-    done: jax.Array,
-    gamma: float,
-    gae_lambda: float,
+    reward: jax.Array, value: jax.Array, next_value: jax.Array, terminated: jax.Array, done: jax.Array,
+    gamma: float, gae_lambda: float,
 ) -> tuple[jax.Array, jax.Array]:
     """GAE over (T, N) arrays (37 details: 5). Returns advantages and value targets.
 
@@ -744,27 +495,16 @@ def compute_gae(
         advantage = delta_t + gamma * gae_lambda * (1.0 - done_t) * next_advantage
         return advantage, advantage
 
-    _, advantage = jax.lax.scan(
-        backward, jnp.zeros_like(delta[0]), (delta, done.astype(jnp.float32)), reverse=True
-    )
+    _, advantage = jax.lax.scan(backward, jnp.zeros_like(delta[0]), (delta, done.astype(jnp.float32)), reverse=True)
     return advantage, advantage + value
 
 
 def ppo_loss_terms(
-    new_logp: jax.Array,
-    entropy: jax.Array,
-    new_value: jax.Array,
-    batch: Batch,
-    clip_eps: jax.Array,
-    clip_vloss: bool,
-    norm_adv: bool,
-    axis_name: str | None = None,
+    new_logp: jax.Array, entropy: jax.Array, new_value: jax.Array, batch: Batch, clip_eps: jax.Array,
+    clip_vloss: bool, norm_adv: bool, axis_name: str | None = None,
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
-    """Clipped surrogate and value losses on one minibatch (37 details: 7, 8, 9).
-
-    Returns (policy_loss, value_loss, metrics); the total is
-    policy_loss - ent_coef * entropy + vf_coef * value_loss.
-    """
+    """Clipped surrogate and value losses on one minibatch (37 details: 7, 8, 9): (policy_loss,
+    value_loss, metrics); the total is policy_loss - ent_coef * entropy + vf_coef * value_loss."""
     advantage = batch.advantage
     if norm_adv:  # over the whole minibatch, every device's share of it included
         mean = mean_over_devices(advantage.mean(), axis_name)
@@ -801,24 +541,56 @@ def loss_fn(params: Any, batch: Batch, clip_eps: jax.Array, network: ActorCritic
     # flow through time); stored: a one-step forward from each transition's stored carry.
     _, logits, new_value = network.apply(params, batch.carry, batch.obs, batch.episode_start)
     new_logp, entropy = log_prob_and_entropy(masked(logits, batch.action_mask), batch.action)
-    policy_loss, value_loss, metrics = ppo_loss_terms(
-        new_logp, entropy, new_value, batch, clip_eps, args.clip_vloss, args.norm_adv, axis_name
-    )
+    policy_loss, value_loss, metrics = ppo_loss_terms(new_logp, entropy, new_value, batch, clip_eps, args.clip_vloss,
+                                                      args.norm_adv, axis_name)
     total = policy_loss - args.ent_coef * entropy.mean() + args.vf_coef * value_loss
     return total, metrics
 
 
-def epoch_permutation(key: jax.Array, num_sequences: int) -> jax.Array:
-    """A fresh shuffle of the sequences for each epoch of each cycle (keys are never reused).
+# Metrics averaged over every minibatch applied in a cycle: the loss's, and the gradient norm.
+MINIBATCH_METRIC_NAMES = (
+    "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/actor_clipfrac", "losses/critic_clipfrac",
+    "losses/actor_approxkl1", "losses/actor_approxkl3", "losses/grad_norm",
+)
 
-    One plain sort of random 32-bit words whose low bits hold the index: on CPU 3.5x faster than
-    jax.random.permutation, which sorts keys with values. Words whose random high bits tie keep
-    index order; that only ever orders two neighbours of the shuffle.
-    """
-    index_bits = max(num_sequences - 1, 1).bit_length()
-    index = jnp.arange(num_sequences, dtype=jnp.uint32)
-    words = jax.random.bits(key, (num_sequences,), jnp.uint32) >> index_bits << index_bits | index
-    return (jnp.sort(words) & ((1 << index_bits) - 1)).astype(jnp.int32)
+
+def annealed(value: float, anneal: bool, num_steps: int) -> optax.Schedule:
+    """`value` at gradient step 0, falling linearly to exactly 0 at step num_steps - 1 and never
+    below (37 details: 4); or constant. (optax.linear_schedule ends at -6e-12 in float32.)"""
+    if not anneal:
+        return optax.constant_schedule(value)
+    return lambda step: value * jnp.clip(1.0 - step / max(num_steps - 1, 1), 0.0, 1.0)
+
+
+def make_optimizer(args: Args) -> optax.GradientTransformation:
+    """Global-norm clipping of the whole gradient (37 details: 11), then Adam."""
+    learning_rate = annealed(args.lr, args.anneal_lr, args.num_gradient_steps)
+    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adam(learning_rate, eps=args.adam_eps))
+
+
+def minibatch_update(
+    carry: UpdateCarry, minibatch: Batch, clip_eps: jax.Array, network: ActorCritic,
+    optimizer: optax.GradientTransformation, args: Args, axis_name: str | None,
+) -> UpdateCarry:
+    """One gradient step, applied unless the cycle has stopped: --target-kl exceeded (measured
+    before this step, on this minibatch), or a non-finite loss or gradient (the NaN guard).
+    Under shard_map the gradients, loss and metrics are averaged over devices first."""
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    (loss, metrics), grads = grad_fn(carry.params, minibatch, clip_eps, network, args, axis_name)
+    loss, metrics, grads = mean_over_devices((loss, metrics, grads), axis_name)
+    metrics["losses/grad_norm"] = optax.tree.norm(grads)  # before clipping
+    updates, opt_state = optimizer.update(grads, carry.opt_state, carry.params)
+    params = optax.apply_updates(carry.params, updates)
+
+    kl_stopped = carry.kl_stopped
+    if args.target_kl is not None:  # 37 details: target-KL early stopping
+        kl_stopped = kl_stopped | (metrics["losses/actor_approxkl3"] > args.target_kl)
+    non_finite = first_non_finite(carry.non_finite, loss, metrics["losses/grad_norm"])
+    applied = ~kl_stopped & (non_finite == 0)
+    keep_if_applied = lambda new, old: jnp.where(applied, new, old)  # noqa: E731
+    metric_sums = jax.tree.map(lambda total, value: total + jnp.where(applied, value, 0.0), carry.metric_sums, metrics)
+    params, opt_state = jax.tree.map(keep_if_applied, (params, opt_state), (carry.params, carry.opt_state))
+    return UpdateCarry(params, opt_state, kl_stopped, non_finite, metric_sums, carry.num_applied + applied)
 
 
 def split_sequences(x: jax.Array, axis: int, num_minibatches: int) -> jax.Array:
@@ -866,123 +638,399 @@ def forward_in_minibatches(
     return merge_sequences(carries, 1), merge_sequences(logits, 1), merge_sequences(value, 1)
 
 
-def make_optimizer(args: Args) -> optax.GradientTransformation:
-    """Global-norm clipping (37 details: 11), then Adam's direction. The learning rate is applied
-    by the caller, from our own schedule (optax.inject_hyperparams cost 25% of an update on CPU)."""
-    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.scale_by_adam(eps=args.adam_eps))
-
-
 def update_cycle(
-    params: Any,
-    opt_state: Any,
-    batch: Batch,
-    key: jax.Array,
-    cycle: jax.Array,
-    failed: jax.Array,
-    network: ActorCritic,
-    optimizer: optax.GradientTransformation,
-    args: Args,
-    axis_name: str | None = None,
+    params: Any, opt_state: Any, batch: Batch, key: jax.Array, cycle: jax.Array, non_finite: jax.Array,
+    network: ActorCritic, optimizer: optax.GradientTransformation, args: Args, axis_name: str | None = None,
 ) -> tuple[Any, Any, dict[str, jax.Array], jax.Array]:
-    """K epochs of M minibatch updates on one rollout.
-
-    A minibatch update is not applied, and neither is any later one in the cycle, when:
-    - --target-kl is set and the minibatch's approxkl3 (measured before its update) exceeds it;
-    - its loss or gradient is not finite (the NaN guard). The returned code (index into
-      NON_FINITE_CHECKS, 0 = all finite) then tells the caller to stop training for good.
-    Nothing is applied when `failed` is already set. Metrics are means over applied minibatches.
-    Under shard_map (axis_name set) `batch` is this device's share; gradients, losses and metrics
-    are averaged over devices, so every device takes the same step.
-    """
+    """K epochs of M minibatch updates on one rollout, each epoch on a fresh shuffle (keys are never
+    reused); nothing is applied once `non_finite` is set. Returns the new params and optimizer
+    state, the metrics averaged over the minibatches applied, and the NaN guard's code."""
     num_epochs, num_minibatches = args.num_epochs_per_cycle, args.num_minibatches_per_epoch
     num_sequences = batch.carry.shape[0]  # this device's share of the seed's sequences
-    # The update works on one flat vector of every parameter: the optimizer, the clipping and the
-    # NaN guard are then a few fused ops instead of a few per layer.
-    params, unravel = ravel_pytree(params)
-    grad_fn = jax.value_and_grad(lambda flat, *rest: loss_fn(unravel(flat), *rest), has_aux=True)
+    clip_schedule = annealed(args.clip_eps, args.anneal_clip_eps, args.num_gradient_steps)
 
-    def minibatch_update(carry, minibatch_input):
-        params, opt_state, stopped, non_finite, metric_sums, num_applied = carry
-        minibatch, gradient_step = minibatch_input
-        learning_rate = linear_schedule(args.lr, gradient_step, args.num_gradient_steps) if args.anneal_lr else jnp.float32(args.lr)
-        clip_eps = (
-            linear_schedule(args.clip_eps, gradient_step, args.num_gradient_steps)
-            if args.anneal_clip_eps
-            else jnp.float32(args.clip_eps)
-        )
-
-        def apply_update(_):
-            (loss, metrics), grads = grad_fn(params, minibatch, clip_eps, network, args, axis_name)
-            loss, metrics, grads = mean_over_devices((loss, metrics, grads), axis_name)
-            metrics["losses/grad_norm"] = optax.tree.norm(grads)  # before clipping
-            direction, new_opt_state = optimizer.update(grads, opt_state, params)
-            new_params = jax.tree.map(lambda param, step: param - learning_rate * step, params, direction)
-            code = jnp.where(
-                ~jnp.isfinite(loss), NON_FINITE_CHECKS.index("loss"),
-                jnp.where(~jnp.isfinite(metrics["losses/grad_norm"]), NON_FINITE_CHECKS.index("gradient"), 0),
-            )
-            reject = stopped | (code > 0)
-            if args.target_kl is not None:
-                reject = reject | (metrics["losses/actor_approxkl3"] > args.target_kl)
-            keep_old = lambda old, new: jnp.where(reject, old, new)  # noqa: E731
-            return jax.tree.map(keep_old, params, new_params), jax.tree.map(keep_old, opt_state, new_opt_state), reject, code, metrics
-
-        def skip(_):
-            return params, opt_state, jnp.bool_(True), jnp.int32(0), jax.tree.map(jnp.zeros_like, metric_sums)
-
-        if args.target_kl is None:  # after a NaN the update is computed but not applied (rare)
-            params, opt_state, rejected, code, metrics = apply_update(None)
-        else:  # target-KL stops early often: skip the compute
-            params, opt_state, rejected, code, metrics = jax.lax.cond(stopped, skip, apply_update, None)
-        applied = ~(stopped | rejected)
-        metric_sums = jax.tree.map(lambda total, value: total + jnp.where(applied, value, 0.0), metric_sums, metrics)
-        carry = (params, opt_state, stopped | rejected, jnp.maximum(non_finite, code), metric_sums, num_applied + applied)
-        return carry, None
-
-    def epoch(carry, epoch_input):
+    def epoch(carry: UpdateCarry, epoch_input) -> tuple[UpdateCarry, None]:
         epoch_key, epoch_index = epoch_input
-        permutation = epoch_permutation(epoch_key, num_sequences)
-        minibatches = cut_minibatches(batch, permutation, num_minibatches)
+        permutation = jax.random.permutation(epoch_key, num_sequences)
+        minibatches = cut_minibatches(batch, permutation, num_minibatches)  # (M, L, S / M, ...)
         first_step = (cycle * num_epochs + epoch_index) * num_minibatches
         gradient_steps = first_step + jnp.arange(num_minibatches)
-        return jax.lax.scan(minibatch_update, carry, (minibatches, gradient_steps))[0], None
+
+        def one_minibatch(carry, minibatch_input):
+            minibatch, gradient_step = minibatch_input
+            clip_eps = clip_schedule(gradient_step)
+            return minibatch_update(carry, minibatch, clip_eps, network, optimizer, args, axis_name), None
+
+        return jax.lax.scan(one_minibatch, carry, (minibatches, gradient_steps))[0], None
 
     metric_sums = {name: jnp.float32(0.0) for name in MINIBATCH_METRIC_NAMES}
-    carry = (params, opt_state, failed, jnp.int32(0), metric_sums, jnp.float32(0.0))
+    carry = UpdateCarry(params, opt_state, jnp.bool_(False), non_finite, metric_sums, num_applied=jnp.float32(0.0))
     epoch_keys = jax.random.split(key, num_epochs)
-    (params, opt_state, _, non_finite, metric_sums, num_applied), _ = jax.lax.scan(
-        epoch, carry, (epoch_keys, jnp.arange(num_epochs))
-    )
-    metrics = {name: total / jnp.maximum(num_applied, 1.0) for name, total in metric_sums.items()}
-    metrics["losses/epochs_run"] = num_applied / num_minibatches
-    return unravel(params), opt_state, metrics, non_finite
+    carry, _ = jax.lax.scan(epoch, carry, (epoch_keys, jnp.arange(num_epochs)))
+    metrics = {name: total / jnp.maximum(carry.num_applied, 1.0) for name, total in carry.metric_sums.items()}
+    metrics["losses/epochs_run"] = carry.num_applied / num_minibatches
+    return carry.params, carry.opt_state, metrics, carry.non_finite
 
 
-# What the NaN guard checks, in order; code 0 means every check passed.
-NON_FINITE_CHECKS = ("none", "loss", "gradient", "parameters")
-
-
-# Metrics averaged over every minibatch applied in a cycle, and everything logged per cycle
-# (charts/SPS is added on the host).
-MINIBATCH_METRIC_NAMES = (
-    "losses/policy_loss",
-    "losses/value_loss",
-    "losses/entropy",
-    "losses/actor_clipfrac",
-    "losses/critic_clipfrac",
-    "losses/actor_approxkl1",
-    "losses/actor_approxkl3",
-    "losses/grad_norm",
-)
+# Everything logged per cycle (charts/SPS is added on the host).
 METRIC_NAMES = (
-    "charts/episodic_return",
-    "charts/episodic_length",
-    "charts/learning_rate",
-    "charts/clip_eps",
-    *MINIBATCH_METRIC_NAMES,
-    "losses/explained_variance",
-    "losses/epochs_run",
+    "charts/episodic_return", "charts/episodic_length", "charts/learning_rate", "charts/clip_eps",
+    *MINIBATCH_METRIC_NAMES, "losses/explained_variance", "losses/epochs_run",
 )
+
+
+def reset_envs(key: jax.Array, env: Any, env_params: Any, num_envs: int, args: Args) -> EnvCarry:
+    """Fresh episodes in every env, a fresh frame stack and zero LSTM carries."""
+    frame, env_state = jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(key, num_envs), env_params)
+    starts = jnp.ones((num_envs,), bool)
+    stack = jnp.zeros((num_envs, *stacked_obs_shape(env, env_params, args.frame_stack)), jnp.float32)
+    lstm_carry = jnp.zeros((num_envs, args.carry_size), jnp.float32)
+    zeros = jnp.zeros((num_envs,), jnp.float32)
+    return EnvCarry(env_state, push_frame(stack, frame, starts), starts, lstm_carry, zeros, jnp.zeros((num_envs,), jnp.int32))
+
+
+def train_cycle(
+    state: TrainState, network: ActorCritic, optimizer: optax.GradientTransformation, env: Any, env_params: Any,
+    args: Args, axis_name: str | None = None,
+) -> tuple[TrainState, dict[str, jax.Array]]:
+    """One cycle of one seed: a rollout, GAE, then the update epochs. Returns the new state and
+    the cycle's metrics (METRIC_NAMES). Under shard_map it sees this device's envs."""
+    key, reset_key, rollout_key, update_key = jax.random.split(state.key, 4)
+    reset_key, rollout_key, update_key = (per_device(k, axis_name) for k in (reset_key, rollout_key, update_key))
+    env_carry = state.env
+    if args.reset_envs_each_cycle:
+        env_carry = reset_envs(reset_key, env, env_params, env_carry.obs.shape[0], args)
+    first_carry = env_carry.lstm_carry  # (N, C) before the first step's reset
+
+    env_carry, transitions, finished_return, finished_length = collect_rollout(
+        state.params, env_carry, rollout_key, network, env, env_params, args.num_env_steps_per_cycle,
+        uses_action_mask(args, env), store_carries=args.lstm_training == "stored",
+    )
+
+    num_steps, num_envs = transitions.action.shape
+    sequence_carry, sequence_start, logp, value, next_value = evaluate_rollout(
+        state.params, first_carry, transitions, network, args
+    )
+    to_sequences = lambda x: x.reshape(*logp.shape, *x.shape[2:])  # noqa: E731  (T, N, ...) -> (L, S, ...)
+
+    done = jnp.logical_or(transitions.terminated, transitions.truncated)
+    bootstrap_stops = transitions.terminated if args.bootstrap_truncated else done
+    advantage, target = compute_gae(
+        transitions.reward, value.reshape(num_steps, num_envs), next_value.reshape(num_steps, num_envs),
+        bootstrap_stops.astype(jnp.float32), done, args.gamma, args.gae_lambda,
+    )
+    action_mask = None if transitions.action_mask is None else to_sequences(transitions.action_mask)
+    batch = Batch(
+        obs=to_sequences(transitions.obs), episode_start=sequence_start, carry=sequence_carry,
+        action=to_sequences(transitions.action), logp=logp, value=value, advantage=to_sequences(advantage),
+        target=to_sequences(target), action_mask=action_mask,
+    )
+    params, opt_state, metrics, non_finite = update_cycle(
+        state.params, state.opt_state, batch, update_key, state.cycle, state.non_finite, network, optimizer, args, axis_name
+    )
+
+    last_step = (state.cycle + 1) * args.num_epochs_per_cycle * args.num_minibatches_per_epoch - 1
+    metrics["charts/episodic_return"] = nanmean_or_nan(finished_return, axis_name)
+    metrics["charts/episodic_length"] = nanmean_or_nan(finished_length, axis_name)
+    metrics["charts/learning_rate"] = jnp.float32(annealed(args.lr, args.anneal_lr, args.num_gradient_steps)(last_step))
+    metrics["charts/clip_eps"] = jnp.float32(annealed(args.clip_eps, args.anneal_clip_eps, args.num_gradient_steps)(last_step))
+    metrics["losses/explained_variance"] = explained_variance(batch.value, batch.target, axis_name)
+    new_state = guard_non_finite(state, params, opt_state, non_finite)._replace(env=env_carry, key=key, cycle=state.cycle + 1)
+    return new_state, metrics
+
+
+def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | None = None):
+    """Returns init(seed) -> TrainState of one seed, and train(states, log_fn, checkpoint_fn,
+    start_cycle) -> (states, metrics (cycles, seeds)): the remaining cycles of a stack of seeds in
+    one `lax.scan`, meant to be jitted. log_fn and checkpoint_fn are host callbacks."""
+    network = make_network(args, env.action_space(env_params).n)
+    optimizer = make_optimizer(args)
+    obs_shape = stacked_obs_shape(env, env_params, args.frame_stack)
+
+    @jax.jit
+    def init_one(key: jax.Array) -> TrainState:
+        key, params_key, env_key = jax.random.split(key, 3)
+        params = init_params(network, params_key, args, obs_shape)
+        env_carry = reset_envs(env_key, env, env_params, args.num_parallel_envs, args)
+        zero = jnp.int32(0)
+        return TrainState(params, optimizer.init(params), env_carry, key, cycle=zero, non_finite=zero, non_finite_cycle=zero)
+
+    def init(seed: int) -> TrainState:
+        return init_one(jax.random.key(seed))
+
+    axis_name = None if mesh is None else DEVICE_AXIS
+    one_seed = lambda state: train_cycle(state, network, optimizer, env, env_params, args, axis_name)  # noqa: E731
+    every_seed = skip_when_every_seed_failed(vmap_over_seeds(one_seed, args.num_seeds))
+    one_cycle = every_seed if mesh is None else shard_over_devices(every_seed, mesh)
+
+    def train(states: TrainState, log_fn: Callable | None = None, checkpoint_fn: Callable | None = None, start_cycle: int = 0):
+        def cycle_body(carry, _):
+            states, outbox = carry
+            states, metrics = one_cycle(states)
+            outbox = send_to_host(outbox, states, metrics, args, log_fn, checkpoint_fn, ordered=mesh is None)
+            return (states, outbox), metrics
+
+        outbox = empty_outbox(args, num_seeds=states.cycle.shape[0])
+        (states, _), metrics = jax.lax.scan(cycle_body, (states, outbox), None, length=args.num_cycles - start_cycle)
+        return states, metrics
+
+    return init, train
+
+
+# ======================================================================================
+# ==== Infrastructure: not needed to understand PPO ====
+# Validation, env loading, devices, seeds, host callbacks, the NaN guard, logging,
+# checkpoints, CPU settings, run and main.
+# ======================================================================================
+
+
+class ConfigError(ValueError):
+    """Bad user input. `main` prints it as one line and exits with code 2."""
+
+
+def validate_args(args: Args) -> None:
+    """Every check on the arguments, in one place, before anything is compiled or written."""
+    positive_ints = [
+        "num_seeds",
+        "num_total_env_steps",
+        "num_parallel_envs",
+        "num_env_steps_per_cycle",
+        "num_epochs_per_cycle",
+        "num_minibatches_per_epoch",
+        "log_every_cycles",
+        "torso_size",
+        "frame_stack",
+    ]
+    for name in positive_ints:
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"{flag(name)} must be a positive integer, got {getattr(args, name)}")
+    if args.num_devices < 0:
+        raise ConfigError(f"--num-devices must be >= 0 (0 = every device), got {args.num_devices}")
+    if args.seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
+    if args.lstm_training == "bptt" and args.num_parallel_envs % args.num_minibatches_per_epoch != 0:
+        raise ConfigError(
+            f"--lstm-training bptt cuts minibatches of whole env sequences, so --num-parallel-envs "
+            f"{args.num_parallel_envs} must be divisible by --num-minibatches-per-epoch "
+            f"{args.num_minibatches_per_epoch}"
+        )
+    if args.batch_size % args.num_minibatches_per_epoch != 0:
+        raise ConfigError(
+            f"--num-minibatches-per-epoch {args.num_minibatches_per_epoch} does not divide the "
+            f"batch of --num-parallel-envs x --num-env-steps-per-cycle = {args.batch_size}"
+        )
+    if args.num_cycles == 0:
+        raise ConfigError(
+            f"--num-total-env-steps {args.num_total_env_steps} is smaller than one cycle "
+            f"(--num-parallel-envs x --num-env-steps-per-cycle = {args.batch_size})"
+        )
+    for name in ["lr", "clip_eps", "max_grad_norm", "adam_eps"]:
+        if not getattr(args, name) > 0:
+            raise ConfigError(f"{flag(name)} must be > 0, got {getattr(args, name)}")
+    for name in ["ent_coef", "vf_coef"]:
+        if not getattr(args, name) >= 0:
+            raise ConfigError(f"{flag(name)} must be >= 0, got {getattr(args, name)}")
+    for name in ["gamma", "gae_lambda"]:
+        if not 0 <= getattr(args, name) <= 1:
+            raise ConfigError(f"{flag(name)} must be in [0, 1], got {getattr(args, name)}")
+    if args.checkpoint_every_cycles is not None and args.checkpoint_every_cycles <= 0:
+        raise ConfigError(f"--checkpoint-every-cycles must be a positive integer, got {args.checkpoint_every_cycles}")
+    if args.target_kl is not None and not args.target_kl > 0:
+        raise ConfigError(f"--target-kl must be > 0 when set, got {args.target_kl}")
+    if not args.impala_channels or min(args.impala_channels) <= 0:
+        raise ConfigError(f"--impala-channels must be one or more positive integers, got {args.impala_channels}")
+    if args.lstm_size < 0:
+        raise ConfigError(f"--lstm-size must be >= 0 (0: no LSTM), got {args.lstm_size}")
+
+
+def flag(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
+
+
+# --- environment loading ------------------------------------------------------------------
+
+
+def make_env(env_id: str) -> tuple[Any, Any]:
+    """`env_id` is a gymnax id or `module.path:Name` (an Environment subclass, or a
+    zero-argument factory returning (env, env_params))."""
+    if ":" in env_id:
+        module_name, _, attr_name = env_id.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as error:
+            raise ConfigError(f"--env-id {env_id}: cannot import module {module_name!r} ({error})")
+        if not hasattr(module, attr_name):
+            raise ConfigError(f"--env-id {env_id}: module {module_name!r} has no attribute {attr_name!r}")
+        target = getattr(module, attr_name)
+        if isinstance(target, type) and issubclass(target, gymnax.environments.environment.Environment):
+            env = target()
+            env_params = env.default_params
+        elif callable(target):
+            made = target()
+            if not (isinstance(made, tuple) and len(made) == 2):
+                raise ConfigError(f"--env-id {env_id}: the factory must return (env, env_params)")
+            env, env_params = made
+        else:
+            raise ConfigError(f"--env-id {env_id}: {attr_name!r} is neither an Environment class nor a factory")
+    else:
+        if env_id not in gymnax.registered_envs:
+            close = difflib.get_close_matches(env_id, gymnax.registered_envs, n=3, cutoff=0.5)
+            hint = f"; did you mean {', '.join(close)}?" if close else "; see gymnax.registered_envs"
+            raise ConfigError(f"--env-id {env_id} is not a gymnax environment{hint}")
+        env, env_params = gymnax.make(env_id)
+    action_space = env.action_space(env_params)
+    if not isinstance(action_space, spaces.Discrete):
+        raise ConfigError(
+            f"--env-id {env_id} has a {type(action_space).__name__} action space; "
+            f"{Path(__file__).name} supports discrete actions only"
+        )
+    obs_shape = tuple(env.observation_space(env_params).shape)
+    if len(obs_shape) != 3:
+        raise ConfigError(
+            f"--env-id {env_id} has observations of shape {obs_shape}; {Path(__file__).name} "
+            f"needs (H, W, C) images, use ppo_mlp.py"
+        )
+    return env, env_params
+
+
+# --- devices and seeds ----------------------------------------------------------------------
+
+DEVICE_AXIS = "devices"  # the shard_map axis that splits the parallel envs across devices
+
+
+def mean_over_devices(x: Any, axis_name: str | None) -> Any:
+    """The mean of every device's value under shard_map; the value itself on one device."""
+    return x if axis_name is None else jax.lax.pmean(x, axis_name)
+
+
+def sum_over_devices(x: Any, axis_name: str | None) -> Any:
+    return x if axis_name is None else jax.lax.psum(x, axis_name)
+
+
+def per_device(key: jax.Array, axis_name: str | None) -> jax.Array:
+    """Different random numbers on each device (only when there are several)."""
+    return key if axis_name is None else jax.random.fold_in(key, jax.lax.axis_index(axis_name))
+
+
+def vmap_over_seeds(train_cycle_of_one_seed: Callable, num_seeds: int) -> Callable:
+    """The cycle of every seed (leading axis of the states and metrics). One seed runs unvmapped:
+    vmap over a size-1 axis turns every matmul into a batched one, which XLA:CPU runs slower."""
+    if num_seeds > 1:
+        return jax.vmap(train_cycle_of_one_seed)
+
+    def one_seed(states: TrainState) -> tuple[TrainState, dict[str, jax.Array]]:
+        state, metrics = train_cycle_of_one_seed(jax.tree.map(lambda x: x[0], states))
+        return jax.tree.map(lambda x: x[None], (state, metrics))
+
+    return one_seed
+
+
+def state_partition_specs() -> TrainState:
+    """How a stack of TrainStates lies across devices: the envs (axis 1 of every EnvCarry leaf,
+    after the seed axis) are split, everything else is replicated."""
+    return TrainState(*([P()] * len(TrainState._fields)))._replace(env=P(None, DEVICE_AXIS))
+
+
+def shard_over_devices(cycle_of_every_seed: Callable, mesh: jax.sharding.Mesh) -> Callable:
+    """Each device steps its share of the envs; gradients and metrics are averaged across them."""
+    specs = state_partition_specs()
+    return jax.shard_map(cycle_of_every_seed, mesh=mesh, in_specs=(specs,), out_specs=(specs, P()))
+
+
+def place_on_mesh(states: TrainState, mesh: jax.sharding.Mesh | None) -> TrainState:
+    if mesh is None:
+        return states
+    shardings = jax.tree.map(
+        lambda spec, subtree: jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, spec), subtree),
+        state_partition_specs(),
+        states,
+        is_leaf=lambda node: isinstance(node, P),
+    )
+    return jax.device_put(states, shardings)
+
+
+def make_mesh(args: Args) -> jax.sharding.Mesh | None:
+    """The devices the envs are split across; None for one device (no shard_map at all)."""
+    if args.distributed:
+        jax.distributed.initialize()  # reads the coordinator address etc. from the environment
+    devices = jax.devices()
+    num_devices = args.num_devices or len(devices)
+    if num_devices > len(devices):
+        raise ConfigError(
+            f"--num-devices {num_devices}: only {len(devices)} {devices[0].platform} device(s) here "
+            "(on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N)"
+        )
+    if args.num_parallel_envs % num_devices != 0:
+        raise ConfigError(f"--num-parallel-envs {args.num_parallel_envs} does not split evenly across {num_devices} devices (--num-devices)")
+    per_device_batch = args.batch_size // num_devices
+    if per_device_batch % args.num_minibatches_per_epoch != 0:
+        raise ConfigError(
+            f"--num-minibatches-per-epoch {args.num_minibatches_per_epoch} does not divide each device's batch of "
+            f"{per_device_batch} transitions (--num-parallel-envs / --num-devices x --num-env-steps-per-cycle)"
+        )
+    if args.lstm_training == "bptt" and args.num_parallel_envs // num_devices % args.num_minibatches_per_epoch != 0:
+        raise ConfigError(
+            f"--lstm-training bptt cuts each device's minibatches from its own whole env sequences, so "
+            f"--num-parallel-envs / --num-devices = {args.num_parallel_envs // num_devices} must be divisible by "
+            f"--num-minibatches-per-epoch {args.num_minibatches_per_epoch}"
+        )
+    if num_devices == 1:
+        return None
+    return jax.make_mesh((num_devices,), (DEVICE_AXIS,), devices=devices[:num_devices])
+
+
+def stack_seeds(trees: list[Any]) -> Any:
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+
+
+# --- the NaN guard ------------------------------------------------------------------------
+# A seed whose loss, gradient or parameters stop being finite keeps its last good parameters
+# and applies no update from then on; run() reports it and exits with code 1.
+
+NON_FINITE_CHECKS = ("none", "loss", "gradient", "parameters")  # code 0: every check passed
+
+
+def first_non_finite(non_finite: jax.Array, loss: jax.Array, grad_norm: jax.Array) -> jax.Array:
+    """The code already set, else that of the first check that fails now (0: all finite)."""
+    code = jnp.where(
+        ~jnp.isfinite(loss),
+        NON_FINITE_CHECKS.index("loss"),
+        jnp.where(~jnp.isfinite(grad_norm), NON_FINITE_CHECKS.index("gradient"), 0),
+    )
+    return jnp.where(non_finite > 0, non_finite, code)
+
+
+def guard_non_finite(state: TrainState, params: Any, opt_state: Any, non_finite: jax.Array) -> TrainState:
+    """The state after a cycle's update: the cycle's updates are undone if the parameters are not
+    finite, and the first failure of the seed is recorded with its cycle."""
+    params_finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(params)]))
+    non_finite = jnp.where(non_finite > 0, non_finite, jnp.where(params_finite, 0, NON_FINITE_CHECKS.index("parameters")))
+    params, opt_state = jax.tree.map(
+        lambda new, old: jnp.where(params_finite, new, old), (params, opt_state), (state.params, state.opt_state)
+    )
+    newly_failed = (state.non_finite == 0) & (non_finite > 0)
+    return state._replace(
+        params=params,
+        opt_state=opt_state,
+        non_finite=non_finite,
+        non_finite_cycle=jnp.where(newly_failed, state.cycle + 1, state.non_finite_cycle),
+    )
+
+
+def skip_when_every_seed_failed(cycle_of_every_seed: Callable) -> Callable:
+    """Once every seed has failed, a cycle only counts itself and logs NaN (costs nothing)."""
+
+    def skip(states: TrainState) -> tuple[TrainState, dict[str, jax.Array]]:
+        nan = jnp.full(states.cycle.shape, jnp.nan)
+        return states._replace(cycle=states.cycle + 1), {name: nan for name in METRIC_NAMES}
+
+    def cycle(states: TrainState) -> tuple[TrainState, dict[str, jax.Array]]:
+        return jax.lax.cond(jnp.all(states.non_finite > 0), skip, cycle_of_every_seed, states)
+
+    return cycle
+
+
+# --- metric helpers ---------------------------------------------------------------------
 
 
 def explained_variance(prediction: jax.Array, target: jax.Array, axis_name: str | None = None) -> jax.Array:
@@ -1005,248 +1053,82 @@ def nanmean_or_nan(x: jax.Array, axis_name: str | None = None) -> jax.Array:
     return jnp.where(count > 0, total / jnp.maximum(count, 1), jnp.nan)
 
 
-# ======================================================================================
-# make_train
-# ======================================================================================
+# --- host callbacks: metrics rows and checkpoints leave the jit ---------------------------
+
+LOG_ROWS_ENV_STEPS = 8192  # metrics rows leave the jit together, once per this many env steps
 
 
-def reset_envs(key: jax.Array, env: Any, env_params: Any, num_envs: int, args: Args) -> EnvCarry:
-    """Fresh episodes in every env, a fresh frame stack and zero LSTM carries."""
-    frame, env_state = jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(key, num_envs), env_params)
-    starts = jnp.ones((num_envs,), bool)
-    stack = jnp.zeros((num_envs, *stacked_obs_shape(env, env_params, args.frame_stack)), jnp.float32)
-    lstm_carry = jnp.zeros((num_envs, args.carry_size), jnp.float32)
-    zeros = jnp.zeros((num_envs,), jnp.float32)
-    return EnvCarry(env_state, push_frame(stack, frame, starts), starts, lstm_carry, zeros, jnp.zeros((num_envs,), jnp.int32))
+class Outbox(NamedTuple):
+    """Metrics rows waiting inside the jit for the next host callback (one callback costs more
+    than a small cycle on CPU)."""
+
+    rows: jax.Array  # (rows_per_callback, len(METRIC_NAMES), seeds)
+    row_cycles: jax.Array  # (rows_per_callback,) int
+    num_rows: jax.Array  # rows filled
 
 
-def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | None = None):
-    """Returns (init, train).
-
-    init(seed) -> TrainState for one seed, in Python, one seed at a time: parameter init is never
-    vmapped, which keeps batched QR factorizations out of the program (see the XLA_FLAGS note).
-    train(states, log_fn, checkpoint_fn, start_cycle) runs the cycles for a stack of seeds; it is
-    meant to be jitted. With a mesh, each cycle runs under shard_map: every device steps its
-    share of the envs, and gradients and metrics are averaged across devices.
-    """
-    num_devices = 1 if mesh is None else mesh.size
-    axis_name = None if mesh is None else DEVICE_AXIS
-    local_envs = args.num_parallel_envs // num_devices
-
-    def per_device(key: jax.Array) -> jax.Array:
-        """Different random numbers on each device (only when there are several)."""
-        return key if num_devices == 1 else jax.random.fold_in(key, jax.lax.axis_index(DEVICE_AXIS))
-
-    network = make_network(args, env.action_space(env_params).n)
-    optimizer = make_optimizer(args)
-    obs_shape = stacked_obs_shape(env, env_params, args.frame_stack)
-    mask_actions = uses_action_mask(args, env)
-
-    @jax.jit
-    def init_one(key: jax.Array) -> TrainState:
-        key, params_key, env_key = jax.random.split(key, 3)
-        params = init_params(network, params_key, args, obs_shape)
-        env_carry = reset_envs(env_key, env, env_params, args.num_parallel_envs, args)
-        zero = jnp.int32(0)
-        opt_state = optimizer.init(ravel_pytree(params)[0])  # the update's flat parameter vector
-        return TrainState(params, opt_state, env_carry, key, zero, zero, zero)
-
-    def init(seed: int) -> TrainState:
-        return init_one(jax.random.key(seed))
-
-    def train_cycle(state: TrainState) -> tuple[TrainState, dict[str, jax.Array]]:
-        key, reset_key, rollout_key, update_key = jax.random.split(state.key, 4)
-        reset_key, rollout_key, update_key = per_device(reset_key), per_device(rollout_key), per_device(update_key)
-        env_carry = state.env
-        if args.reset_envs_each_cycle:
-            env_carry = reset_envs(reset_key, env, env_params, local_envs, args)
-        first_carry = env_carry.lstm_carry  # (N, C) before the first step's reset
-
-        env_carry, transitions, finished_return, finished_length = collect_rollout(
-            state.params,
-            env_carry,
-            rollout_key,
-            network,
-            env,
-            env_params,
-            args.num_env_steps_per_cycle,
-            mask_actions,
-            store_carries=args.lstm_training == "stored",
-        )
-
-        num_steps, num_envs = transitions.action.shape
-        sequence_carry, sequence_start, logp, value, next_value = evaluate_rollout(
-            state.params, first_carry, transitions, network, args
-        )
-        # (T, N, ...) -> (L, S, ...): this device's sequences, the shape of logp
-        to_sequences = lambda x: x.reshape(*logp.shape, *x.shape[2:])  # noqa: E731
-
-        done = jnp.logical_or(transitions.terminated, transitions.truncated)
-        bootstrap_stops = transitions.terminated if args.bootstrap_truncated else done
-        advantage, target = compute_gae(
-            transitions.reward,
-            value.reshape(num_steps, num_envs),
-            next_value.reshape(num_steps, num_envs),
-            bootstrap_stops.astype(jnp.float32),
-            done,
-            args.gamma,
-            args.gae_lambda,
-        )
-        batch = Batch(
-            obs=to_sequences(transitions.obs),
-            episode_start=sequence_start,
-            carry=sequence_carry,
-            action=to_sequences(transitions.action),
-            logp=logp,
-            value=value,
-            advantage=to_sequences(advantage),
-            target=to_sequences(target),
-            action_mask=None if transitions.action_mask is None else to_sequences(transitions.action_mask),
-        )
-        failed = state.failed_cycle > 0
-        params, opt_state, metrics, non_finite = update_cycle(
-            state.params, state.opt_state, batch, update_key, state.cycle, failed, network, optimizer, args, axis_name
-        )
-        # NaN guard, last line: parameters must be finite too, or the cycle's updates are undone.
-        params_finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(params)]))
-        non_finite = jnp.where(non_finite > 0, non_finite, jnp.where(params_finite, 0, NON_FINITE_CHECKS.index("parameters")))
-        params, opt_state = jax.tree.map(
-            lambda new, old: jnp.where(params_finite, new, old), (params, opt_state), (state.params, state.opt_state)
-        )
-        newly_failed = ~failed & (non_finite > 0)
-        last_step = (state.cycle + 1) * args.num_epochs_per_cycle * args.num_minibatches_per_epoch - 1
-        metrics["charts/episodic_return"] = nanmean_or_nan(finished_return, axis_name)
-        metrics["charts/episodic_length"] = nanmean_or_nan(finished_length, axis_name)
-        metrics["charts/learning_rate"] = (
-            linear_schedule(args.lr, last_step, args.num_gradient_steps) if args.anneal_lr else jnp.float32(args.lr)
-        )
-        metrics["charts/clip_eps"] = (
-            linear_schedule(args.clip_eps, last_step, args.num_gradient_steps)
-            if args.anneal_clip_eps
-            else jnp.float32(args.clip_eps)
-        )
-        metrics["losses/explained_variance"] = explained_variance(batch.value, batch.target, axis_name)
-        new_state = TrainState(
-            params,
-            opt_state,
-            env_carry,
-            key,
-            state.cycle + 1,
-            failed_cycle=jnp.where(newly_failed, state.cycle + 1, state.failed_cycle),
-            failed_check=jnp.where(newly_failed, non_finite, state.failed_check),
-        )
-        return new_state, metrics
-
-    def train_cycle_each_seed(states: TrainState) -> tuple[TrainState, dict[str, jax.Array]]:
-        if args.num_seeds == 1:
-            # vmap over a size-1 axis turns every matmul into a batched one, which XLA:CPU
-            # runs 60% slower here; one seed runs unbatched.
-            state, metrics = train_cycle(jax.tree.map(lambda x: x[0], states))
-            return jax.tree.map(lambda x: x[None], (state, metrics))
-        return jax.vmap(train_cycle)(states)
-
-    def skip_cycle(states: TrainState) -> tuple[TrainState, dict[str, jax.Array]]:
-        """Every seed has failed: nothing to train, just count the cycle (costs nothing)."""
-        nan = jnp.full(states.cycle.shape, jnp.nan)
-        return states._replace(cycle=states.cycle + 1), {name: nan for name in METRIC_NAMES}
-
-    def train(
-        states: TrainState,
-        log_fn: Callable | None = None,
-        checkpoint_fn: Callable | None = None,
-        start_cycle: int = 0,
-    ):
-        """states: TrainState with a leading seed axis, after `start_cycle` cycles. Runs the
-        remaining cycles; returns final states and per-cycle metrics, each (cycles, seeds).
-        log_fn(cycles, num_rows, values) and checkpoint_fn(cycle, states) are host callbacks."""
-
-        def one_cycle(states):
-            all_failed = jnp.all(states.failed_cycle > 0)
-            return jax.lax.cond(all_failed, skip_cycle, train_cycle_each_seed, states)
-
-        if mesh is not None:
-            specs = state_partition_specs()
-            one_cycle = jax.shard_map(one_cycle, mesh=mesh, in_specs=(specs,), out_specs=(specs, P()))
-
-        # JAX orders host callbacks on one device only; on several, each row and checkpoint
-        # carries its cycle number, and the checkpointer never goes back in time.
-        ordered = mesh is None
-
-        # A host callback costs ~0.4 ms on CPU, longer than a whole small cycle, so metrics rows
-        # wait in a buffer and leave in one callback per LOG_ROWS_ENV_STEPS env steps (every row
-        # at once for big batches). Rows also leave before every checkpoint and at the end.
-        rows_per_callback = max(1, LOG_ROWS_ENV_STEPS // args.batch_size)
-        seeds = states.cycle.shape[0]
-
-        def cycle_body(carry, _):
-            states, rows, row_cycles, num_rows = carry
-            states, metrics = one_cycle(states)
-            cycle = states.cycle[0]
-            # Never checkpoint after a failure: the last good checkpoint stays on disk.
-            should_save = (cycle % args.checkpoint_interval == 0) & ~jnp.any(states.failed_cycle > 0)
-            if log_fn is not None:
-                last = cycle == args.num_cycles
-                should_log = (cycle % args.log_every_cycles == 0) | last
-                values = jnp.stack([metrics[name] for name in METRIC_NAMES])  # (metrics, seeds)
-                rows = jnp.where(should_log, rows.at[num_rows].set(values), rows)
-                row_cycles = jnp.where(should_log, row_cycles.at[num_rows].set(cycle), row_cycles)
-                num_rows = num_rows + should_log
-                flush_now = (last | should_save) if checkpoint_fn is not None else last
-                flush = (num_rows > 0) & ((num_rows == rows_per_callback) | flush_now)
-                jax.lax.cond(
-                    flush,
-                    lambda: jax.debug.callback(log_fn, row_cycles, num_rows, rows, ordered=ordered),
-                    lambda: None,
-                )
-                num_rows = jnp.where(flush, 0, num_rows)
-            if checkpoint_fn is not None:
-                host_states = jax.tree.map(key_data_or_array, states)  # callbacks take no PRNG keys
-                jax.lax.cond(
-                    should_save,
-                    lambda: jax.debug.callback(checkpoint_fn, cycle, host_states, ordered=ordered),
-                    lambda: None,
-                )
-            return (states, rows, row_cycles, num_rows), metrics
-
-        rows = jnp.zeros((rows_per_callback, len(METRIC_NAMES), seeds), jnp.float32)
-        row_cycles = jnp.zeros(rows_per_callback, jnp.int32)
-        (states, *_), metrics = jax.lax.scan(
-            cycle_body, (states, rows, row_cycles, jnp.int32(0)), None, length=args.num_cycles - start_cycle
-        )
-        return states, metrics
-
-    return init, train
-
-
-def state_partition_specs() -> TrainState:
-    """How a stack of TrainStates lies across devices: the envs (axis 1 of every EnvCarry leaf,
-    after the seed axis) are split, everything else is replicated."""
-    return TrainState(*([P()] * len(TrainState._fields)))._replace(env=P(None, DEVICE_AXIS))
-
-
-def place_on_mesh(states: TrainState, mesh: jax.sharding.Mesh | None) -> TrainState:
-    if mesh is None:
-        return states
-    shardings = jax.tree.map(
-        lambda spec, subtree: jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, spec), subtree),
-        state_partition_specs(),
-        states,
-        is_leaf=lambda node: isinstance(node, P),
+def empty_outbox(args: Args, num_seeds: int) -> Outbox:
+    rows_per_callback = max(1, LOG_ROWS_ENV_STEPS // args.batch_size)
+    return Outbox(
+        rows=jnp.zeros((rows_per_callback, len(METRIC_NAMES), num_seeds), jnp.float32),
+        row_cycles=jnp.zeros(rows_per_callback, jnp.int32),
+        num_rows=jnp.int32(0),
     )
-    return jax.device_put(states, shardings)
+
+
+def send_to_host(
+    outbox: Outbox,
+    states: TrainState,
+    metrics: dict[str, jax.Array],
+    args: Args,
+    log_fn: Callable | None,
+    checkpoint_fn: Callable | None,
+    ordered: bool,
+) -> Outbox:
+    """After each cycle: buffers its metrics row (every --log-every-cycles and the last cycle),
+    sends the buffered rows to log_fn(cycles, num_rows, rows) when the buffer is full, before a
+    checkpoint and at the end, and sends the states to checkpoint_fn(cycle, states) every
+    checkpoint interval, unless a seed has failed (the last good checkpoint stays on disk).
+    JAX orders callbacks on one device only (`ordered`); on several, each row and checkpoint
+    carries its cycle number, and the checkpointer never goes back in time."""
+    cycle = states.cycle[0]
+    should_save = (cycle % checkpoint_interval(args) == 0) & ~jnp.any(states.non_finite > 0)
+    if log_fn is not None:
+        last = cycle == args.num_cycles
+        should_log = (cycle % args.log_every_cycles == 0) | last
+        values = jnp.stack([metrics[name] for name in METRIC_NAMES])  # (metrics, seeds)
+        outbox = Outbox(
+            rows=jnp.where(should_log, outbox.rows.at[outbox.num_rows].set(values), outbox.rows),
+            row_cycles=jnp.where(should_log, outbox.row_cycles.at[outbox.num_rows].set(cycle), outbox.row_cycles),
+            num_rows=outbox.num_rows + should_log,
+        )
+        flush_now = (last | should_save) if checkpoint_fn is not None else last
+        flush = (outbox.num_rows > 0) & ((outbox.num_rows == outbox.rows.shape[0]) | flush_now)
+        jax.lax.cond(
+            flush,
+            lambda: jax.debug.callback(log_fn, outbox.row_cycles, outbox.num_rows, outbox.rows, ordered=ordered),
+            lambda: None,
+        )
+        outbox = outbox._replace(num_rows=jnp.where(flush, 0, outbox.num_rows))
+    if checkpoint_fn is not None:
+        host_states = jax.tree.map(key_data_or_array, states)  # callbacks take no PRNG keys
+        jax.lax.cond(
+            should_save,
+            lambda: jax.debug.callback(checkpoint_fn, cycle, host_states, ordered=ordered),
+            lambda: None,
+        )
+    return outbox
+
+
+def checkpoint_interval(args: Args) -> int:
+    return args.checkpoint_every_cycles or max(1, args.num_cycles // 10)
 
 
 def key_data_or_array(leaf: jax.Array) -> jax.Array:
     return jax.random.key_data(leaf) if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf
 
 
-def stack_seeds(trees: list[Any]) -> Any:
-    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
-
-
-# ======================================================================================
-# Logging
-# ======================================================================================
+# --- logging --------------------------------------------------------------------------------
 
 
 class MetricsLogger:
@@ -1373,9 +1255,17 @@ def load_params(run_dir: str | Path) -> tuple[Args, Any]:
     return args, params
 
 
-# ======================================================================================
-# main
-# ======================================================================================
+# --- CPU settings, applied by run() -------------------------------------------------------
+
+
+def avoid_cpu_qr_deadlock() -> None:
+    """jaxlib 0.10 on CPU can deadlock in executables with several batched QR factorizations
+    (flax's orthogonal init under vmap; init_params also runs one seed at a time for this). This
+    CPU-only scheduler flag avoids it at full speed. XLA reads XLA_FLAGS when JAX first starts a
+    backend, so this must run before any computation; it leaves a user's own setting alone."""
+    name = "--xla_cpu_enable_concurrency_optimized_scheduler"
+    if name not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {name}=false".strip()
 
 
 def use_unrolled_threefry_on_cpu() -> None:
@@ -1391,6 +1281,9 @@ def use_unrolled_threefry_on_cpu() -> None:
         mlir.register_lowering(threefry2x32.threefry2x32_p, rule, platform="cpu")
     except (ImportError, AttributeError):
         pass
+
+
+# --- checkpoints and resume -----------------------------------------------------------
 
 
 # Args that may differ when a run is resumed: they change what is logged, not what is trained.
@@ -1471,39 +1364,10 @@ def keep_metrics_up_to(run_dir: Path, last_cycle: int) -> list[dict[str, Any]]:
     return kept
 
 
-def make_mesh(args: Args) -> jax.sharding.Mesh | None:
-    """The devices the envs are split across; None for one device (no shard_map at all)."""
-    if args.distributed:
-        jax.distributed.initialize()  # reads the coordinator address etc. from the environment
-    devices = jax.devices()
-    num_devices = args.num_devices or len(devices)
-    if num_devices > len(devices):
-        raise ConfigError(
-            f"--num-devices {num_devices}: only {len(devices)} {devices[0].platform} device(s) here "
-            "(on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N)"
-        )
-    if args.num_parallel_envs % num_devices != 0:
-        raise ConfigError(f"--num-parallel-envs {args.num_parallel_envs} does not split evenly across {num_devices} devices (--num-devices)")
-    if args.lstm_training == "bptt" and args.num_parallel_envs // num_devices % args.num_minibatches_per_epoch != 0:
-        raise ConfigError(
-            f"--lstm-training bptt cuts each device's minibatches from its own whole env sequences, so "
-            f"--num-parallel-envs / --num-devices = {args.num_parallel_envs // num_devices} must be divisible by "
-            f"--num-minibatches-per-epoch {args.num_minibatches_per_epoch}"
-        )
-    per_device_batch = args.batch_size // num_devices
-    if per_device_batch % args.num_minibatches_per_epoch != 0:
-        raise ConfigError(
-            f"--num-minibatches-per-epoch {args.num_minibatches_per_epoch} does not divide each device's batch of "
-            f"{per_device_batch} transitions (--num-parallel-envs / --num-devices x --num-env-steps-per-cycle)"
-        )
-    if num_devices == 1:
-        return None
-    return jax.make_mesh((num_devices,), (DEVICE_AXIS,), devices=devices[:num_devices])
-
-
 def run(args: Args) -> dict[str, Any]:
     """Validates, trains (or resumes), and writes the run dir. Returns the summary."""
     validate_args(args)
+    avoid_cpu_qr_deadlock()
     use_unrolled_threefry_on_cpu()
     env, env_params = make_env(args.env_id)
     mesh = make_mesh(args)
@@ -1576,7 +1440,7 @@ def run(args: Args) -> dict[str, Any]:
     finite = [value for value in returns if value is not None]
     failures = {
         args.seed + i: {"cycle": int(cycle), "non_finite": NON_FINITE_CHECKS[int(check)]}
-        for i, (cycle, check) in enumerate(zip(np.asarray(states.failed_cycle), np.asarray(states.failed_check)))
+        for i, (cycle, check) in enumerate(zip(np.asarray(states.non_finite_cycle), np.asarray(states.non_finite)))
         if cycle > 0
     }
     summary = {

@@ -11,3 +11,8 @@ for path in (str(ROOT), str(TESTS)):
         sys.path.insert(0, path)
 # Subprocess runs of the scripts find probe_envs the same way.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), str(ROOT), os.environ.get("PYTHONPATH")]))
+
+# In-process tests get the CPU setting that run() applies, before JAX starts its backend.
+import ppo_mlp  # noqa: E402
+
+ppo_mlp.avoid_cpu_qr_deadlock()

@@ -137,15 +137,6 @@ def test_log_prob_and_entropy_match_distrax_with_and_without_a_mask():
         assert np.all(np.isfinite(grads))
 
 
-@pytest.mark.parametrize("batch_size", [1, 2, 7, 128, 512, 32_768])
-def test_epoch_permutation_is_a_permutation(batch_size):
-    for seed in range(3):
-        permutation = np.asarray(ppo_mlp.epoch_permutation(jax.random.key(seed), batch_size))
-        np.testing.assert_array_equal(np.sort(permutation), np.arange(batch_size))
-    if batch_size >= 128:  # and a shuffle: far from the identity
-        assert np.mean(permutation == np.arange(batch_size)) < 0.05
-
-
 # --------------------------------------------------------------------------------------
 # Update mechanics: ratio 1 at the start, target-KL, schedules, shuffling
 # --------------------------------------------------------------------------------------
@@ -171,7 +162,8 @@ def test_without_target_kl_every_epoch_runs():
 
 def test_linear_schedule_reaches_zero_exactly_at_the_last_step_and_never_goes_below():
     num_steps = 37
-    values = np.asarray([ppo_mlp.linear_schedule(2.5e-4, jnp.float32(step), num_steps) for step in range(num_steps + 5)])
+    schedule = ppo_mlp.annealed(2.5e-4, True, num_steps)
+    values = np.asarray([schedule(jnp.int32(step)) for step in range(num_steps + 5)])
     assert values[0] == pytest.approx(2.5e-4)
     assert values[num_steps - 1] == 0.0
     assert np.all(values[: num_steps - 1] > 0)
@@ -195,14 +187,14 @@ def test_logged_lr_and_clip_eps_anneal_to_zero_at_the_last_cycle():
 
 def test_minibatch_permutation_differs_across_epochs_and_cycles(monkeypatch):
     recorded = []
-    original = ppo_mlp.epoch_permutation
+    original = jax.random.permutation
 
     def recording_permutation(key, batch_size):
         permutation = original(key, batch_size)
         jax.debug.callback(lambda p: recorded.append(np.asarray(p)), permutation, ordered=True)
         return permutation
 
-    monkeypatch.setattr(ppo_mlp, "epoch_permutation", recording_permutation)
+    monkeypatch.setattr(jax.random, "permutation", recording_permutation)
     args = ppo_mlp.Args(num_total_env_steps=3 * 512, num_epochs_per_cycle=3)
     train_in_process(args)
     assert len(recorded) == 3 * 3  # cycles x epochs
