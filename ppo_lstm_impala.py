@@ -909,7 +909,9 @@ def sum_over_devices(x: Any, axis_name: str | None) -> Any:
 
 def per_device(key: jax.Array, axis_name: str | None) -> jax.Array:
     """Different random numbers on each device (only when there are several)."""
-    return key if axis_name is None else jax.random.fold_in(key, jax.lax.axis_index(axis_name))
+    if axis_name is None or jax.lax.axis_size(axis_name) == 1:
+        return key
+    return jax.random.fold_in(key, jax.lax.axis_index(axis_name))
 
 
 def vmap_over_seeds(train_cycle_of_one_seed: Callable, num_seeds: int) -> Callable:

@@ -450,3 +450,37 @@ def test_breakout_learns(tmp_path):
     )
     print(f"random policy {random_return:.2f}, trained {summary['final_episodic_return']:.2f}")
     assert summary["final_episodic_return"] > max(3 * random_return, random_return + 1.0)
+
+
+GRU_EDIT = {  # the README's "change the LSTM to a GRU" walkthrough, edit for edit
+    "        cell_carry = jnp.split(reset_carry(carry, episode_start), 2, axis=-1)\n":
+        "        cell_carry = reset_carry(carry, episode_start)\n",
+    "        (c, h), output = nn.OptimizedLSTMCell(self.lstm_size, **init)(cell_carry, features)\n"
+    "        new_carry = jnp.concatenate([c, h], axis=-1)\n":
+        "        new_carry, output = nn.GRUCell(self.lstm_size, **init)(cell_carry, features)\n",
+    "        return (2 if self.separate_critic else 1) * 2 * self.lstm_size\n":
+        "        return (2 if self.separate_critic else 1) * self.lstm_size\n",
+}
+
+
+@pytest.mark.parametrize("lstm_training", ["bptt", "stored"])
+def test_a_gru_copy_trains(tmp_path, lstm_training):
+    source = Path(ppo.__file__).read_text()
+    for old, new in GRU_EDIT.items():
+        assert source.count(old) == 1, f"the README's GRU edit no longer matches: {old!r}"
+        source = source.replace(old, new)
+    copy = tmp_path / "ppo_gru.py"
+    copy.write_text(source)
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, str(copy), "--env-id", "probe_envs:Memory", "--impala-channels", "4", "--torso-size", "16",
+         "--lstm-size", "16", "--num-parallel-envs", "4", "--num-env-steps-per-cycle", "12",
+         "--num-minibatches-per-epoch", "2", "--num-total-env-steps", "480", "--lstm-training", lstm_training,
+         "--separate-critic", "--run-dir", str(run_dir)],
+        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads((run_dir / "args.json").read_text())["script"] == "ppo_gru.py"
+    params = (run_dir / "params.msgpack").read_bytes()
+    assert b"GRUCell" in params and b"OptimizedLSTMCell" not in params
+    assert all(row["losses/value_loss"] is not None for row in read_metrics(run_dir))
