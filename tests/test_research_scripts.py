@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "scripts"
 sys.path.insert(0, str(SCRIPTS))
-from runs import differing_labels, metric_table, read_run  # noqa: E402
+from runs import differing_labels, load_module, load_script_for_run, metric_table, read_run, script_path_for_run  # noqa: E402
 
 TINY = ["--num-total-env-steps", "256", "--num-seeds", "2"]
 SWEEP_GRID = ["--num-parallel-envs", "4", "--num-env-steps-per-cycle", "32", "--num-minibatches-per-epoch", "1", "2", "3"]
@@ -94,6 +94,26 @@ def test_labels_and_null_returns():
     assert differing_labels([base, {**base, "run_dir": "b"}], ["a", "b"]) == ["a", "b"]  # only run_dir differs
     # A key only one args.json has (another script version) is not a difference.
     assert differing_labels([base, {**base, "clip_eps": 0.1, "new_flag": 3}], ["a", "b"]) == ["clip_eps=0.2", "clip_eps=0.1"]
+    # The same script in two checkouts is not a difference.
+    checkouts = [{**base, "script_path": "/a/ppo_mlp.py"}, {**base, "script_path": "/b/ppo_mlp.py"}]
+    assert differing_labels(checkouts, ["a", "b"]) == ["a", "b"]
+
+
+def test_loader_finds_the_script_that_wrote_a_run_and_keeps_same_named_files_apart(tmp_path):
+    for folder, marker in [("a", 1), ("b", 2)]:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "my_ppo.py").write_text(f"MARKER = {marker}\n")
+    first = load_script_for_run({"script": "my_ppo.py", "script_path": str(tmp_path / "a" / "my_ppo.py")})
+    second = load_module(tmp_path / "b" / "my_ppo.py")
+    assert (first.MARKER, second.MARKER) == (1, 2)
+    assert load_module(tmp_path / "a" / ".." / "a" / "my_ppo.py") is first  # once per resolved path
+    # A recorded path that is gone falls back to the recorded name in the repo root.
+    assert script_path_for_run({"script": "ppo_mlp.py", "script_path": "/gone/ppo_mlp.py"}) == ROOT / "ppo_mlp.py"
+    with pytest.raises(FileNotFoundError, match="/gone/my_ppo.py no longer exists, and there is no my_ppo.py in"):
+        script_path_for_run({"script": "my_ppo.py", "script_path": "/gone/my_ppo.py"})
+    # Older run dirs record no script: `lstm_size` tells the two apart.
+    assert script_path_for_run({"lstm_size": 8}) == ROOT / "ppo_lstm_impala.py"
+    assert script_path_for_run({"num_seeds": 1}) == ROOT / "ppo_mlp.py"
 
 
 def test_null_returns_are_missing_values_not_zeros(tmp_path):
