@@ -163,7 +163,7 @@ def test_evaluate_prints_the_mean_return_per_seed_and_writes_a_minatar_gif(tmp_p
         assert image.n_frames > 1 and image.size == (200, 200)  # 10 x 10 cells of 20 px
 
 
-def lstm_run_dir(run_dir: Path, num_seeds: int = 2):
+def lstm_run_dir(run_dir: Path, num_seeds: int = 2, env_id: str = "Breakout-MinAtar"):
     """A run dir as ppo_lstm_impala.py writes it (args.json, params.msgpack of freshly initialised
     seeds), made with the script's own functions, without compiling a training run."""
     import dataclasses
@@ -172,7 +172,7 @@ def lstm_run_dir(run_dir: Path, num_seeds: int = 2):
     import jax
     import ppo_lstm_impala as lstm
 
-    args = lstm.Args(env_id="Breakout-MinAtar", num_seeds=num_seeds, impala_channels=(4,), torso_size=16, lstm_size=8,
+    args = lstm.Args(env_id=env_id, num_seeds=num_seeds, impala_channels=(4,), torso_size=16, lstm_size=8,
                      frame_stack=2, run_dir=str(run_dir))
     env, env_params = lstm.make_env(args.env_id)
     network = lstm.make_network(args, env.action_space(env_params).n)
@@ -212,6 +212,19 @@ def test_evaluate_uses_the_lstm_script_and_resets_the_carry_at_episode_starts(tm
     done = jnp.array([True, False, False])
     _, next_starts, _ = agent.observe((stack, starts, next_carry), frame, done)
     assert (next_starts == done).all()
+
+
+@pytest.mark.skipif(not (ROOT / "ppo_lstm_impala.py").is_file(), reason="ppo_lstm_impala.py is not in the repo")
+def test_evaluate_masks_invalid_actions_of_the_lstm_policy_as_in_training(tmp_path):
+    """MaskedActionsImage: action 0 pays 1 but is always invalid, so no step may pay 1."""
+    import jax
+    from evaluate import LSTMAgent, make_rollout
+
+    lstm, args, env, env_params, network, params = lstm_run_dir(tmp_path / "masked", env_id="probe_envs:MaskedActionsImage")
+    agent = LSTMAgent(lstm, args, network, env, env_params)
+    rollout = jax.jit(make_rollout(agent, env, env_params, num_envs=32, num_steps=8, greedy=False))
+    reward, *_ = rollout(jax.tree.map(lambda x: x[0], params), jax.random.key(0))
+    assert reward.shape == (8, 32) and float(reward.max()) == 0.5  # action 1 (pays 0.5) taken, action 0 never
 
 
 @pytest.mark.parametrize(
