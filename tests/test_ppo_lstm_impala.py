@@ -8,8 +8,6 @@ fits in a few minutes on a 2-core CPU.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import distrax
@@ -18,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import run_script
 from reference import gae_reference, ppo_loss_reference
 
 import ppo_lstm_impala as ppo
@@ -375,10 +374,6 @@ def test_memory_task_needs_the_lstm(tmp_path):
 # ======================================================================================
 
 
-def run_script(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -392,7 +387,7 @@ def run_script(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, argv, message):
-    result = run_script(*argv, "--run-dir", str(tmp_path / "run"))
+    result = run_script(SCRIPT, *argv, "--run-dir", str(tmp_path / "run"), timeout=120)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
@@ -406,7 +401,7 @@ def test_multi_seed_image_env_does_not_deadlock(tmp_path):
     """Two seeds of Breakout-MinAtar in one vmapped program (orthogonal init per seed, outside the
     vmap; the batched-QR deadlock of jaxlib 0.10 on CPU would hang here)."""
     result = run_script(
-        "--env-id", "Breakout-MinAtar", "--num-seeds", "2", "--impala-channels", "4", "--torso-size", "16",
+        SCRIPT, "--env-id", "Breakout-MinAtar", "--num-seeds", "2", "--impala-channels", "4", "--torso-size", "16",
         "--lstm-size", "16", "--num-parallel-envs", "4", "--num-env-steps-per-cycle", "8",
         "--num-minibatches-per-epoch", "2", "--num-total-env-steps", "64", "--run-dir", str(tmp_path / "run"),
         timeout=240,

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -15,6 +13,7 @@ import numpy as np
 import pytest
 
 import ppo_mlp
+from helpers import run_script
 from reference import gae_reference, ppo_loss_reference
 
 SCRIPT = Path(ppo_mlp.__file__)
@@ -308,17 +307,11 @@ def test_a_seed_trains_the_same_alone_or_vmapped_with_others():
 # --------------------------------------------------------------------------------------
 
 
-def run_script(*flags: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *flags], capture_output=True, text=True, timeout=timeout
-    )
-
-
 def test_run_dir_holds_args_metrics_summary_and_loadable_params(tmp_path):
     run_dir = tmp_path / "run"
     # 2-step cycles: many cycles finish no CartPole episode, and must log null, not 0
     result = run_script(
-        "--num-total-env-steps", "1024", "--num-env-steps-per-cycle", "2", "--num-minibatches-per-epoch", "2",
+        SCRIPT, "--num-total-env-steps", "1024", "--num-env-steps-per-cycle", "2", "--num-minibatches-per-epoch", "2",
         "--num-seeds", "2", "--run-dir", str(run_dir),
     )
     assert result.returncode == 0, result.stderr
@@ -350,7 +343,7 @@ def test_run_dir_holds_args_metrics_summary_and_loadable_params(tmp_path):
 
 
 def test_log_every_cycles_writes_every_kth_cycle_and_the_last(tmp_path):
-    result = run_script("--num-total-env-steps", "5120", "--log-every-cycles", "4", "--run-dir", str(tmp_path / "r"))
+    result = run_script(SCRIPT, "--num-total-env-steps", "5120", "--log-every-cycles", "4", "--run-dir", str(tmp_path / "r"))
     assert result.returncode == 0, result.stderr
     cycles = [json.loads(line)["cycle"] for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert cycles == [4, 8, 10]
@@ -375,7 +368,7 @@ def test_log_every_cycles_writes_every_kth_cycle_and_the_last(tmp_path):
 )
 def test_bad_input_gets_one_line_and_exit_code_2(tmp_path, flags, expected):
     run_dir = tmp_path / "never"
-    result = run_script(*flags, "--run-dir", str(run_dir), timeout=120)
+    result = run_script(SCRIPT, *flags, "--run-dir", str(run_dir), timeout=120)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
@@ -386,7 +379,7 @@ def test_bad_input_gets_one_line_and_exit_code_2(tmp_path, flags, expected):
 def test_track_offline_writes_a_wandb_run_with_the_metrics(tmp_path):
     run_dir = tmp_path / "tracked"
     result = run_script(
-        "--num-total-env-steps", "2048", "--num-seeds", "2", "--track", "--wandb-mode", "offline",
+        SCRIPT, "--num-total-env-steps", "2048", "--num-seeds", "2", "--track", "--wandb-mode", "offline",
         "--run-dir", str(run_dir),
     )
     assert result.returncode == 0, result.stderr

@@ -9,31 +9,24 @@ from __future__ import annotations
 import csv
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import ROOT, run_script
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ROOT / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+sys.path.insert(0, str(ROOT / "scripts"))
 from runs import differing_labels, load_module, load_script_for_run, metric_table, read_run, script_path_for_run  # noqa: E402
 
 TINY = ["--num-total-env-steps", "256", "--num-seeds", "2"]
 SWEEP_GRID = ["--num-parallel-envs", "4", "--num-env-steps-per-cycle", "32", "--num-minibatches-per-epoch", "1", "2", "3"]
 
 
-def run_script(name: str, *arguments: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPTS / name), *arguments], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
-
-
 @pytest.fixture(scope="module")
 def sweep_dir(tmp_path_factory) -> Path:
     out_dir = tmp_path_factory.mktemp("sweep") / "out"
-    result = run_script("sweep.py", "--script", "ppo_mlp.py", *SWEEP_GRID, "--out-dir", str(out_dir), "--", *TINY)
+    result = run_script("scripts/sweep.py", "--script", "ppo_mlp.py", *SWEEP_GRID, "--out-dir", str(out_dir), "--", *TINY)
     assert result.returncode == 0, result.stderr
     return out_dir
 
@@ -59,10 +52,10 @@ def test_sweep_resume_skips_finished_runs_and_reruns_an_interrupted_one(sweep_di
     finished_mtime = (finished / "summary.json").stat().st_mtime_ns
     (interrupted / "summary.json").unlink()  # as if killed before it finished
 
-    refused = run_script("sweep.py", "--script", "ppo_mlp.py", *SWEEP_GRID, "--out-dir", str(sweep_dir), "--", *TINY)
+    refused = run_script("scripts/sweep.py", "--script", "ppo_mlp.py", *SWEEP_GRID, "--out-dir", str(sweep_dir), "--", *TINY)
     assert refused.returncode == 2 and "--resume" in refused.stderr
 
-    result = run_script("sweep.py", "--script", "ppo_mlp.py", *SWEEP_GRID, "--out-dir", str(sweep_dir), "--resume",
+    result = run_script("scripts/sweep.py", "--script", "ppo_mlp.py", *SWEEP_GRID, "--out-dir", str(sweep_dir), "--resume",
                         "--", *TINY)
     assert result.returncode == 0, result.stderr
     assert "envs4_steps32_mb1_ep4 (resumed)" in result.stdout
@@ -77,13 +70,13 @@ def test_sweep_resume_skips_finished_runs_and_reruns_an_interrupted_one(sweep_di
 def test_plot_writes_a_png_labelled_by_the_differing_args(sweep_dir, tmp_path):
     runs = [str(sweep_dir / "envs4_steps32_mb1_ep4"), str(sweep_dir / "envs4_steps32_mb2_ep4")]
     out = tmp_path / "curves.png"
-    result = run_script("plot.py", *runs, "--out", str(out), "--band", "minmax")
+    result = run_script("scripts/plot.py", *runs, "--out", str(out), "--band", "minmax")
     assert result.returncode == 0, result.stderr
     assert out.stat().st_size > 0
     assert "num_minibatches_per_epoch=1; num_minibatches_per_epoch=2" in result.stdout
 
     grid = tmp_path / "grid.png"
-    result = run_script("plot.py", *runs, "--out", str(grid), "--debug-grid")
+    result = run_script("scripts/plot.py", *runs, "--out", str(grid), "--debug-grid")
     assert result.returncode == 0, result.stderr
     assert grid.stat().st_size > out.stat().st_size  # a panel per metric, not one
 
@@ -127,7 +120,7 @@ def test_null_returns_are_missing_values_not_zeros(tmp_path):
 
 def test_ablate_table_has_the_baseline_and_the_flipped_details(tmp_path):
     out_dir = tmp_path / "ablation"
-    result = run_script("ablate.py", "--script", "ppo_mlp.py", "--env-id", "CartPole-v1", "--num-seeds", "2",
+    result = run_script("scripts/ablate.py", "--script", "ppo_mlp.py", "--env-id", "CartPole-v1", "--num-seeds", "2",
                         "--out-dir", str(out_dir), "--details", "norm-adv", "clip-eps", "frame-stack",
                         "--", "--num-total-env-steps", "256", "--num-env-steps-per-cycle", "32")
     assert result.returncode == 0, result.stderr
@@ -146,14 +139,13 @@ def test_ablate_table_has_the_baseline_and_the_flipped_details(tmp_path):
 
 def test_evaluate_prints_the_mean_return_per_seed_and_writes_a_minatar_gif(tmp_path):
     run_dir = tmp_path / "breakout"
-    training = subprocess.run(
-        [sys.executable, str(ROOT / "ppo_mlp.py"), "--env-id", "Breakout-MinAtar", "--num-parallel-envs", "4",
-         "--num-env-steps-per-cycle", "32", "--num-total-env-steps", "128", "--num-seeds", "2", "--run-dir", str(run_dir)],
-        capture_output=True, text=True, timeout=300,
+    training = run_script(
+        "ppo_mlp.py", "--env-id", "Breakout-MinAtar", "--num-parallel-envs", "4", "--num-env-steps-per-cycle", "32",
+        "--num-total-env-steps", "128", "--num-seeds", "2", "--run-dir", str(run_dir), timeout=300,
     )
     assert training.returncode == 0, training.stderr
     gif = tmp_path / "breakout.gif"
-    result = run_script("evaluate.py", str(run_dir), "--episodes", "2", "--gif", str(gif))
+    result = run_script("scripts/evaluate.py", str(run_dir), "--episodes", "2", "--gif", str(gif))
     assert result.returncode == 0, result.stderr
     assert re.search(r"^mean_return: \d+\.\d+ ± \d+\.\d+ +\(4 episodes, 2 seeds", result.stdout, re.MULTILINE)
     assert re.search(r"seed 1: .*\n\s+seed 2: ", result.stdout)
@@ -191,7 +183,7 @@ def test_evaluate_uses_the_lstm_script_and_resets_the_carry_at_episode_starts(tm
     from evaluate import LSTMAgent
 
     lstm, args, env, env_params, network, params = lstm_run_dir(tmp_path / "lstm")
-    result = run_script("evaluate.py", str(tmp_path / "lstm"), "--episodes", "2")
+    result = run_script("scripts/evaluate.py", str(tmp_path / "lstm"), "--episodes", "2")
     assert result.returncode == 0, result.stderr
     assert "ppo_lstm_impala.py" in result.stdout and re.search(r"^mean_return: ", result.stdout, re.MULTILINE)
 
@@ -242,8 +234,7 @@ def test_evaluate_masks_invalid_actions_of_the_lstm_policy_as_in_training(tmp_pa
     ],
 )
 def test_bad_arguments_exit_2_with_one_error_line(arguments, message, tmp_path):
-    result = subprocess.run([sys.executable, str(SCRIPTS / arguments[0]), *arguments[1:]], capture_output=True,
-                            text=True, timeout=60, cwd=tmp_path)
+    result = run_script(f"scripts/{arguments[0]}", *arguments[1:], timeout=60, cwd=tmp_path)
     assert result.returncode == 2
     error_lines = [line for line in result.stderr.splitlines() if "error:" in line]
     assert len(error_lines) == 1 and message in error_lines[0], result.stderr
