@@ -42,7 +42,7 @@ def evaluate_network(args: ppo_mlp.Args, states, obs):
 
 
 @pytest.mark.parametrize("bootstrap_truncated", [True, False])
-def test_gae_matches_python_loop(bootstrap_truncated):
+def test_compute_gae_matches_reference(bootstrap_truncated):
     rng = np.random.default_rng(0)
     num_steps, num_envs = 13, 5
     reward = rng.normal(size=(num_steps, num_envs))
@@ -79,7 +79,7 @@ def test_gae_matches_python_loop(bootstrap_truncated):
 
 @pytest.mark.parametrize("clip_vloss", [True, False])
 @pytest.mark.parametrize("norm_adv", [True, False])
-def test_loss_terms_match_hand_computation(clip_vloss, norm_adv):
+def test_ppo_loss_terms_match_reference(clip_vloss, norm_adv):
     rng = np.random.default_rng(1)
     size = 64
     old_logp = rng.normal(-1.0, 0.3, size)
@@ -118,7 +118,7 @@ def test_loss_terms_match_hand_computation(clip_vloss, norm_adv):
     np.testing.assert_allclose(float(value_loss), expected["losses/value_loss"], rtol=1e-4)
 
 
-def test_log_prob_and_entropy_match_distrax_with_and_without_a_mask():
+def test_log_prob_and_entropy_match_distrax():
     import distrax  # the reference: an independent categorical implementation
 
     rng = np.random.default_rng(2)
@@ -366,7 +366,7 @@ def test_log_every_cycles_writes_every_kth_cycle_and_the_last(tmp_path):
         (["--no-such-flag"], "--no-such-flag"),
     ],
 )
-def test_bad_input_gets_one_line_and_exit_code_2(tmp_path, flags, expected):
+def test_bad_input_exits_2_with_one_line(tmp_path, flags, expected):
     run_dir = tmp_path / "never"
     result = run_script(SCRIPT, *flags, "--run-dir", str(run_dir), timeout=120)
     assert result.returncode == 2
