@@ -155,6 +155,32 @@ def test_evaluate_prints_the_mean_return_per_seed_and_writes_a_minatar_gif(tmp_p
         assert image.n_frames > 1 and image.size == (200, 200)  # 10 x 10 cells of 20 px
 
 
+def test_tools_read_a_run_with_the_renamed_copy_of_the_script_that_wrote_it(tmp_path):
+    """A copy of ppo_mlp.py outside the repo, trained from another folder: evaluate.py and plot.py
+    load the copy, which says so when imported (the appended line runs on import only: run as a
+    script, the copy exits in main() before reaching it)."""
+    copy = tmp_path / "elsewhere" / "my_ppo.py"
+    copy.parent.mkdir()
+    copy.write_text((ROOT / "ppo_mlp.py").read_text() + '\nprint(f"imported {Path(__file__).name}")\n')
+    run_dir = tmp_path / "run"
+    training = run_script(copy, "--num-total-env-steps", "2048", "--num-seeds", "2", "--run-dir", str(run_dir),
+                          timeout=300, cwd=tmp_path)
+    assert training.returncode == 0, training.stderr
+    assert "imported" not in training.stdout
+    args = json.loads((run_dir / "args.json").read_text())
+    assert (args["script"], args["script_path"]) == ("my_ppo.py", str(copy.resolve()))
+
+    result = run_script("scripts/evaluate.py", str(run_dir), "--episodes", "2", timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "imported my_ppo.py" in result.stdout
+    assert re.search(r"^mean_return: \d+\.\d+ ± \d+\.\d+ .*CartPole-v1, my_ppo\.py\)$", result.stdout, re.MULTILINE)
+
+    grid = tmp_path / "grid.png"
+    result = run_script("scripts/plot.py", str(run_dir), "--out", str(grid), "--debug-grid", timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "imported my_ppo.py" in result.stdout and grid.stat().st_size > 0
+
+
 def lstm_run_dir(run_dir: Path, num_seeds: int = 2, env_id: str = "Breakout-MinAtar"):
     """A run dir as ppo_lstm_impala.py writes it (args.json, params.msgpack of freshly initialised
     seeds), made with the script's own functions, without compiling a training run."""
