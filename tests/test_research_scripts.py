@@ -181,6 +181,20 @@ def test_tools_read_a_run_with_the_renamed_copy_of_the_script_that_wrote_it(tmp_
     assert "imported my_ppo.py" in result.stdout and grid.stat().st_size > 0
 
 
+def test_a_run_whose_script_is_gone_gets_one_error_line_from_evaluate_and_plot(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "args.json").write_text(json.dumps({"script": "gone.py", "script_path": "/nowhere/gone.py"}))
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"cycle": 1, "env_steps": 8, "seed": 1}) + "\n")
+    (run_dir / "params.msgpack").write_bytes(b"")
+    for tool, *arguments in [("evaluate.py",), ("plot.py", "--out", str(tmp_path / "x.png"), "--debug-grid")]:
+        result = run_script(f"scripts/{tool}", str(run_dir), *arguments, timeout=60)
+        assert result.returncode == 2, result.stderr
+        error_lines = [line for line in result.stderr.splitlines() if "error:" in line]
+        assert len(error_lines) == 1 and "/nowhere/gone.py no longer exists, and there is no gone.py in" in error_lines[0]
+    assert not (tmp_path / "x.png").exists()
+
+
 def lstm_run_dir(run_dir: Path, num_seeds: int = 2, env_id: str = "Breakout-MinAtar"):
     """A run dir as ppo_lstm_impala.py writes it (args.json, params.msgpack of freshly initialised
     seeds), made with the script's own functions, without compiling a training run."""
