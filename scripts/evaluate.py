@@ -3,15 +3,16 @@
     python scripts/evaluate.py runs/cartpole --episodes 32 --greedy
     python scripts/evaluate.py runs/breakout --gif breakout.gif
 
-Reads RUN_DIR/args.json and RUN_DIR/params.msgpack with the training script that wrote them
-(`lstm_size` in args.json means ppo_lstm_impala.py, else ppo_mlp.py), imported from the repo
-root. Each seed plays --episodes episodes in parallel environments (vmapped over envs and seeds,
-one jit); the return of each environment's first episode counts. Prints
-`mean_return: X ± Y` (std over all episodes of all seeds), then one line per seed.
+Reads RUN_DIR/args.json and RUN_DIR/params.msgpack with the training script that wrote them:
+the file args.json records (a renamed copy too), else the file of that name in the repo root
+(`script_path_for_run` in runs.py). Each seed plays --episodes episodes in parallel environments
+(vmapped over envs and seeds, one jit); the return of each environment's first episode counts.
+Prints `mean_return: X ± Y` (std over all episodes of all seeds), then one line per seed.
 
-The LSTM's carry is threaded through the steps and reset where an episode starts, and frames
-are stacked, exactly as in training. --gif records the first episode of the first seed's first env: MinAtar
-channels as coloured cells, CartPole and Acrobot as a line drawing of the state.
+As in training: the LSTM's carry is threaded through the steps and reset where an episode
+starts, frames are stacked, and invalid actions are masked where the env has an `action_mask`.
+--gif records the first episode of the first seed's first env: MinAtar channels as coloured
+cells, CartPole and Acrobot as a line drawing of the state.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runs import ROOT, load_script, script_for_args  # noqa: E402
+from runs import load_script_for_run  # noqa: E402
 
 DEFAULT_MAX_STEPS = 10_000  # for envs whose params have no max_steps_in_episode
 GIF_FRAME_MS = 60
@@ -45,35 +46,43 @@ class UsageError(ValueError):
 # ======================================================================================
 
 
-class MLPAgent:
-    """ppo_mlp.py: the observation is the whole agent state."""
+class Agent:
+    """What both agents share: the script's pieces, and invalid actions masked as in training."""
 
     def __init__(self, module: Any, args: Any, network: Any, env: Any, env_params: Any):
-        self.module, self.network, self.env, self.env_params = module, network, env, env_params
+        self.module, self.args, self.network, self.env, self.env_params = module, args, network, env, env_params
         self.mask_actions = module.uses_action_mask(args, env)
+
+    def masked(self, logits, env_state):
+        """logits (N, A) with the env's invalid actions masked, where the script masks them."""
+        if not self.mask_actions:
+            return logits
+        import jax
+
+        action_mask = jax.vmap(self.env.action_mask, in_axes=(0, None))(env_state, self.env_params)
+        return self.module.masked(logits, action_mask)
+
+
+class MLPAgent(Agent):
+    """ppo_mlp.py: the observation is the whole agent state."""
 
     def reset(self, frame):
         return frame
 
     def logits(self, params, agent, env_state):
         logits, _ = self.network.apply(params, agent)
-        if self.mask_actions:
-            import jax
-
-            action_mask = jax.vmap(self.env.action_mask, in_axes=(0, None))(env_state, self.env_params)
-            logits = self.module.masked(logits, action_mask)
-        return logits, agent
+        return self.masked(logits, env_state), agent
 
     def observe(self, agent, next_frame, done):
         return next_frame
 
 
-class LSTMAgent:
+class LSTMAgent(Agent):
     """ppo_lstm_impala.py: (frame stack, episode_start, LSTM carry). `episode_start` is the
     previous step's done; the network zeroes the carry there before it sees the observation."""
 
     def __init__(self, module: Any, args: Any, network: Any, env: Any, env_params: Any):
-        self.module, self.args, self.network = module, args, network
+        super().__init__(module, args, network, env, env_params)
         self.stack_shape = module.stacked_obs_shape(env, env_params, args.frame_stack)
 
     def reset(self, frame):
@@ -87,7 +96,7 @@ class LSTMAgent:
     def logits(self, params, agent, env_state):
         stack, starts, carry = agent
         carries, logits, _ = self.network.apply(params, carry, stack[None], starts[None])  # one step
-        return logits[0], (stack, starts, carries[0])
+        return self.masked(logits[0], env_state), (stack, starts, carries[0])
 
     def observe(self, agent, next_frame, done):
         stack, _, carry = agent
@@ -223,16 +232,15 @@ def write_gif(path: Path, states: Any, frames: Any, done: Any, render) -> int:
 
 
 def evaluate(run_dir: Path, episodes: int, greedy: bool, seed: int, gif: Path | None) -> int:
-    args_path = run_dir / "args.json"
-    if not args_path.is_file() or not (run_dir / "params.msgpack").is_file():
+    if not (run_dir / "args.json").is_file() or not (run_dir / "params.msgpack").is_file():
         raise UsageError(f"{run_dir} is not a finished run dir (needs args.json and params.msgpack)")
-    script = script_for_args(json.loads(args_path.read_text()))
-    if not (ROOT / script).is_file():
-        raise UsageError(f"{run_dir} was written by {script}, which is not in {ROOT}")
     if gif is not None and gif.suffix.lower() != ".gif":
         raise UsageError(f"--gif {gif}: the file name must end in .gif")
-
-    module = load_script(script)
+    try:
+        module = load_script_for_run(json.loads((run_dir / "args.json").read_text()))
+    except FileNotFoundError as error:
+        raise UsageError(f"{run_dir}: {error}") from error
+    script = Path(module.__file__).name
     args, params = module.load_params(run_dir)
     env, env_params = module.make_env(args.env_id)
     render = frame_renderer(args.env_id, env_params) if gif is not None else None
@@ -243,7 +251,7 @@ def evaluate(run_dir: Path, episodes: int, greedy: bool, seed: int, gif: Path | 
     import numpy as np
 
     network = module.make_network(args, env.action_space(env_params).n)
-    agent = (LSTMAgent if script == "ppo_lstm_impala.py" else MLPAgent)(module, args, network, env, env_params)
+    agent = (LSTMAgent if hasattr(args, "lstm_size") else MLPAgent)(module, args, network, env, env_params)
     num_steps = int(getattr(env_params, "max_steps_in_episode", DEFAULT_MAX_STEPS))
     seeds = [args.seed + index for index in range(args.num_seeds)]
 

@@ -23,20 +23,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runs import Run, differing_labels, metric_table, read_run  # noqa: E402
+from runs import Run, differing_labels, load_script_for_run, metric_table, read_run  # noqa: E402
 
-DEBUG_METRICS = (
-    "charts/episodic_return",
-    "losses/policy_loss",
-    "losses/value_loss",
-    "losses/entropy",
-    "losses/actor_clipfrac",
-    "losses/critic_clipfrac",
-    "losses/actor_approxkl1",
-    "losses/actor_approxkl3",
-    "losses/explained_variance",
-    "losses/grad_norm",
-)
+
+def debug_metric_names(runs: list[Run]) -> tuple[str, ...]:
+    """The metrics of the debug grid: every per-cycle metric (`METRIC_NAMES`) of the training
+    script that wrote the first run."""
+    return tuple(load_script_for_run(runs[0].args).METRIC_NAMES)
 
 
 def smooth(values: np.ndarray, window: int) -> np.ndarray:
@@ -103,7 +96,7 @@ def plot_runs(
     window: int = 1,
 ) -> None:
     labels = labels or differing_labels([run.args for run in runs], [run.path.name for run in runs])
-    metrics = DEBUG_METRICS if debug_grid else (metric,)
+    metrics = debug_metric_names(runs) if debug_grid else (metric,)
     num_columns = min(len(metrics), 4)
     num_rows = math.ceil(len(metrics) / num_columns)
     figure, axes = plt.subplots(num_rows, num_columns, figsize=(4.2 * num_columns + 1, 3.2 * num_rows + 0.6), squeeze=False)
@@ -131,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="the image to write, e.g. curves.png")
     parser.add_argument("--metric", default="charts/episodic_return", help="a metrics.jsonl key")
     parser.add_argument("--band", choices=["std", "minmax"], default="std", help="band over seeds")
-    parser.add_argument("--debug-grid", action="store_true", help="a grid of the loss and debug metrics instead")
+    parser.add_argument("--debug-grid", action="store_true", help="a grid of every metric the training script logs (its METRIC_NAMES) instead")
     parser.add_argument("--smooth", type=int, default=1, metavar="CYCLES",
                         help="moving average over this many logged cycles, per seed (default 1: none; 0: 1%% of each run's cycles)")
     options = parser.parse_args(argv)
@@ -145,7 +138,12 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(read_run(run_dir))
         except FileNotFoundError as error:
             parser.error(str(error))
-    if not options.debug_grid and not any(options.metric in row for run in runs for row in run.rows):
+    if options.debug_grid:
+        try:
+            debug_metric_names(runs)
+        except FileNotFoundError as error:
+            parser.error(f"--debug-grid: {runs[0].path}: {error}")
+    elif not any(options.metric in row for run in runs for row in run.rows):
         known = sorted({key for run in runs for row in run.rows for key in row} - {"cycle", "env_steps", "seed"})
         parser.error(f"--metric {options.metric} is not in metrics.jsonl; choose from {', '.join(known)}")
     labels = differing_labels([run.args for run in runs], [run.path.name for run in runs])

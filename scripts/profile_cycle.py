@@ -16,20 +16,12 @@ The overhead of the train loop is `cycle / bare network - 1`.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(Path(name).stem, ROOT / name)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runs import load_script  # noqa: E402
 
 
 def best_time(function, argument, repeats: int) -> float:

@@ -1,19 +1,22 @@
-"""Shared helpers of the research scripts (plot, sweep, ablate, evaluate): reading run dirs,
-running a configuration once per subfolder (with --resume), labels from differing args, and
-the training scripts' own `Args` fields.
+"""Shared helpers of the research scripts (plot, sweep, ablate, evaluate, profile_cycle):
+loading the training script that wrote a run dir, reading run dirs, running a configuration once
+per subfolder (with --resume), labels from differing args, and the training scripts' own `Args`
+fields.
 
-Not a script: `plot.py`, `sweep.py`, `ablate.py` and `evaluate.py` import it.
+Not a script: the tools in this folder import it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import math
 import shutil
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -21,8 +24,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark import ROOT, run_config  # noqa: E402
 
-# args.json keys that never describe the experiment, left out of labels.
-NON_EXPERIMENT_ARGS = {"run_dir", "track", "wandb_project", "wandb_entity", "wandb_group", "wandb_mode"}
+# args.json keys that never describe the experiment, left out of labels (`script_path` differs
+# between checkouts of the same script).
+NON_EXPERIMENT_ARGS = {"run_dir", "script_path", "track", "wandb_project", "wandb_entity", "wandb_group", "wandb_mode"}
 
 
 # ======================================================================================
@@ -30,29 +34,52 @@ NON_EXPERIMENT_ARGS = {"run_dir", "track", "wandb_project", "wandb_entity", "wan
 # ======================================================================================
 
 
-def load_script(script: str) -> Any:
-    """Imports a training script (e.g. `ppo_mlp.py`) from the repo root as a module."""
+def load_module(path: str | Path) -> ModuleType:
+    """Imports a Python file as a module, once per resolved path. The module's name includes a
+    hash of the path, so two files with the same name (a copy elsewhere) stay two modules."""
+    path = Path(path).resolve()
+    name = f"{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before running it: dataclasses look their module up
+        try:
+            spec.loader.exec_module(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
+
+
+def load_script(script: str) -> ModuleType:
+    """Imports a training script of the repo root (e.g. `ppo_mlp.py`), for tools with --script."""
     path = ROOT / script
     if not path.is_file():
         raise FileNotFoundError(f"no script {script} in {ROOT}")
-    name = path.stem
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_module(path)
+
+
+def script_path_for_run(args: dict[str, Any]) -> Path:
+    """The training script that wrote a run, from its args.json: the recorded `script_path` if
+    that file still exists, else the recorded `script` file name in the repo root. Older run dirs
+    record neither: `lstm_size` in args means ppo_lstm_impala.py, else ppo_mlp.py (repo root)."""
+    if args.get("script_path") and Path(args["script_path"]).is_file():
+        return Path(args["script_path"])
+    script = args.get("script") or ("ppo_lstm_impala.py" if "lstm_size" in args else "ppo_mlp.py")
+    if (ROOT / script).is_file():
+        return ROOT / script
+    recorded = f"{args['script_path']} no longer exists, and " if args.get("script_path") else ""
+    raise FileNotFoundError(f"the run was written by {script}, but {recorded}there is no {script} in {ROOT}")
+
+
+def load_script_for_run(args: dict[str, Any]) -> ModuleType:
+    """Imports the training script that wrote a run (see `script_path_for_run`)."""
+    return load_module(script_path_for_run(args))
 
 
 def script_defaults(script: str) -> dict[str, Any]:
     """{field name: default} of the script's `Args` dataclass: which flags it has."""
     return {field.name: field.default for field in dataclasses.fields(load_script(script).Args)}
-
-
-def script_for_args(args: dict[str, Any]) -> str:
-    """Which training script wrote an args.json, from its keys."""
-    return "ppo_lstm_impala.py" if "lstm_size" in args else "ppo_mlp.py"
 
 
 def flag(name: str) -> str:

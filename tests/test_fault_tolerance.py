@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import probe_envs
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 SMALL = {
     "ppo_mlp.py": ["--num-parallel-envs", "4", "--num-env-steps-per-cycle", "16", "--num-total-env-steps", "32000",
                    "--num-seeds", "2", "--checkpoint-every-cycles", "100"],

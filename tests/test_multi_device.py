@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
+from helpers import run_script
 
 import ppo_lstm_impala
 import ppo_mlp
 
-ROOT = Path(__file__).resolve().parent.parent
 TWO_CPU_DEVICES = {
     **os.environ,
     "XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_cpu_enable_concurrency_optimized_scheduler=false",
@@ -25,10 +22,8 @@ TWO_CPU_DEVICES = {
 TINY_LSTM = ["--impala-channels", "4", "--torso-size", "32", "--lstm-size", "32"]
 
 
-def run_with_two_devices(*flags: str, script: str = "ppo_mlp.py") -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(ROOT / script), *flags], capture_output=True, text=True, timeout=900, env=TWO_CPU_DEVICES
-    )
+def run_with_two_devices(*flags: str, script: str = "ppo_mlp.py"):
+    return run_script(script, *flags, timeout=900, env=TWO_CPU_DEVICES)
 
 
 ONE_DEVICE_ARGS = {

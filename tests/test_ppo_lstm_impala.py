@@ -8,8 +8,6 @@ fits in a few minutes on a 2-core CPU.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import distrax
@@ -18,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import run_script
 from reference import gae_reference, ppo_loss_reference
 
 import ppo_lstm_impala as ppo
@@ -82,7 +81,7 @@ def test_compute_gae_matches_reference(bootstrap_truncated):
     np.testing.assert_allclose(target, expected_target, rtol=1e-5, atol=1e-5)
 
 
-def test_log_prob_and_entropy_match_distrax_on_sequences():
+def test_log_prob_and_entropy_match_distrax():
     # (T, B, A) logits, as the recurrent forward returns them; invalid actions masked.
     rng = np.random.default_rng(3)
     logits = jnp.asarray(rng.normal(0.0, 3.0, (8, 6, 4)), jnp.float32)
@@ -97,7 +96,7 @@ def test_log_prob_and_entropy_match_distrax_on_sequences():
 
 @pytest.mark.parametrize("clip_vloss", [True, False])
 @pytest.mark.parametrize("norm_adv", [True, False])
-def test_ppo_loss_terms_matches_reference(clip_vloss, norm_adv):
+def test_ppo_loss_terms_match_reference(clip_vloss, norm_adv):
     rng = np.random.default_rng(1)
     size = 32
     old_logp = np.log(rng.uniform(0.1, 0.9, size)).astype(np.float32)
@@ -230,7 +229,7 @@ def test_rollout_frame_stack_and_final_obs_at_episode_boundaries(tmp_path):
     assert np.any(np.asarray(transitions.carry)[~start] != 0)
 
 
-def test_invalid_actions_are_never_sampled(tmp_path):
+def test_invalid_actions_are_never_taken_when_the_env_masks_them(tmp_path):
     args = tiny_args(tmp_path, env_id="probe_envs:MaskedActionsImage")
     env, env_params = ppo.make_env(args.env_id)
     assert ppo.uses_action_mask(args, env) and not ppo.uses_action_mask(tiny_args(tmp_path, mask_invalid_actions=False), env)
@@ -293,7 +292,7 @@ def test_next_value_uses_pre_reset_carry(tmp_path, lstm_training):
     "lstm_training, extra",
     [("stored", {}), ("bptt", {"separate_critic": True, "frame_stack": 2})],
 )
-def test_first_minibatch_reproduces_rollout_exactly(tmp_path, lstm_training, extra):
+def test_first_minibatch_has_ratio_one_and_tiny_target_kl_stops_after_it(tmp_path, lstm_training, extra):
     """A tiny target KL stops each cycle after its first minibatch, so the logged approxkl and
     clipfrac are the first minibatch's: exactly 0, as in ppo_mlp.py (ratio exactly 1), with
     episodes ending mid-rollout (Memory: 6 steps, rollout: 12). Plain bptt, with two vmapped
@@ -314,7 +313,7 @@ def assert_first_minibatch_exact(args: ppo.Args) -> None:
         assert row["charts/episodic_length"] == 6.0
 
 
-def test_determinism_and_seeds_differ(tmp_path):
+def test_same_seed_gives_identical_metrics_and_different_seeds_differ(tmp_path):
     def metrics(name, seed):
         args = tiny_args(tmp_path, name, env_id=MEMORY_ENV_ID, seed=seed, num_seeds=2, target_kl=1e-12)
         ppo.run(args)
@@ -345,12 +344,12 @@ def probe_run(tmp_path, env_id, **overrides):
     return summary, jax.nn.softmax(logits[0, 0]), float(value[0, 0])
 
 
-def test_probe_constant_reward_value_is_one(tmp_path):
+def test_probe_constant_reward_value_learns_one(tmp_path):
     _, _, value = probe_run(tmp_path, "probe_envs:ConstantRewardImage")
     assert value == pytest.approx(1.0, abs=0.1)
 
 
-def test_probe_action_dependent_reward_picks_action_zero(tmp_path):
+def test_probe_action_dependent_reward_policy_picks_the_best_action(tmp_path):
     summary, probs, value = probe_run(tmp_path, "probe_envs:ActionDependentRewardImage", ent_coef=0.0)
     assert float(probs[0]) > 0.9
     assert summary["final_episodic_return"] > 0.6  # = 2 p(action 0) - 1 while still exploring
@@ -375,10 +374,6 @@ def test_memory_task_needs_the_lstm(tmp_path):
 # ======================================================================================
 
 
-def run_script(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, timeout=timeout)
-
-
 @pytest.mark.parametrize(
     "argv, message",
     [
@@ -392,7 +387,7 @@ def run_script(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
     ],
 )
 def test_bad_input_exits_2_with_one_line(tmp_path, argv, message):
-    result = run_script(*argv, "--run-dir", str(tmp_path / "run"))
+    result = run_script(SCRIPT, *argv, "--run-dir", str(tmp_path / "run"), timeout=120)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
@@ -406,7 +401,7 @@ def test_multi_seed_image_env_does_not_deadlock(tmp_path):
     """Two seeds of Breakout-MinAtar in one vmapped program (orthogonal init per seed, outside the
     vmap; the batched-QR deadlock of jaxlib 0.10 on CPU would hang here)."""
     result = run_script(
-        "--env-id", "Breakout-MinAtar", "--num-seeds", "2", "--impala-channels", "4", "--torso-size", "16",
+        SCRIPT, "--env-id", "Breakout-MinAtar", "--num-seeds", "2", "--impala-channels", "4", "--torso-size", "16",
         "--lstm-size", "16", "--num-parallel-envs", "4", "--num-env-steps-per-cycle", "8",
         "--num-minibatches-per-epoch", "2", "--num-total-env-steps", "64", "--run-dir", str(tmp_path / "run"),
         timeout=240,

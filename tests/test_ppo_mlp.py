@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import jax
@@ -15,6 +13,7 @@ import numpy as np
 import pytest
 
 import ppo_mlp
+from helpers import run_script
 from reference import gae_reference, ppo_loss_reference
 
 SCRIPT = Path(ppo_mlp.__file__)
@@ -43,7 +42,7 @@ def evaluate_network(args: ppo_mlp.Args, states, obs):
 
 
 @pytest.mark.parametrize("bootstrap_truncated", [True, False])
-def test_gae_matches_python_loop(bootstrap_truncated):
+def test_compute_gae_matches_reference(bootstrap_truncated):
     rng = np.random.default_rng(0)
     num_steps, num_envs = 13, 5
     reward = rng.normal(size=(num_steps, num_envs))
@@ -80,7 +79,7 @@ def test_gae_matches_python_loop(bootstrap_truncated):
 
 @pytest.mark.parametrize("clip_vloss", [True, False])
 @pytest.mark.parametrize("norm_adv", [True, False])
-def test_loss_terms_match_hand_computation(clip_vloss, norm_adv):
+def test_ppo_loss_terms_match_reference(clip_vloss, norm_adv):
     rng = np.random.default_rng(1)
     size = 64
     old_logp = rng.normal(-1.0, 0.3, size)
@@ -119,7 +118,7 @@ def test_loss_terms_match_hand_computation(clip_vloss, norm_adv):
     np.testing.assert_allclose(float(value_loss), expected["losses/value_loss"], rtol=1e-4)
 
 
-def test_log_prob_and_entropy_match_distrax_with_and_without_a_mask():
+def test_log_prob_and_entropy_match_distrax():
     import distrax  # the reference: an independent categorical implementation
 
     rng = np.random.default_rng(2)
@@ -300,17 +299,11 @@ def test_a_seed_trains_the_same_alone_or_vmapped_with_others():
 # --------------------------------------------------------------------------------------
 
 
-def run_script(*flags: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(SCRIPT), *flags], capture_output=True, text=True, timeout=timeout
-    )
-
-
 def test_run_dir_holds_args_metrics_summary_and_loadable_params(tmp_path):
     run_dir = tmp_path / "run"
     # 2-step cycles: many cycles finish no CartPole episode, and must log null, not 0
     result = run_script(
-        "--num-total-env-steps", "1024", "--num-env-steps-per-cycle", "2", "--num-minibatches-per-epoch", "2",
+        SCRIPT, "--num-total-env-steps", "1024", "--num-env-steps-per-cycle", "2", "--num-minibatches-per-epoch", "2",
         "--num-seeds", "2", "--run-dir", str(run_dir),
     )
     assert result.returncode == 0, result.stderr
@@ -342,7 +335,7 @@ def test_run_dir_holds_args_metrics_summary_and_loadable_params(tmp_path):
 
 
 def test_log_every_cycles_writes_every_kth_cycle_and_the_last(tmp_path):
-    result = run_script("--num-total-env-steps", "5120", "--log-every-cycles", "4", "--run-dir", str(tmp_path / "r"))
+    result = run_script(SCRIPT, "--num-total-env-steps", "5120", "--log-every-cycles", "4", "--run-dir", str(tmp_path / "r"))
     assert result.returncode == 0, result.stderr
     cycles = [json.loads(line)["cycle"] for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
     assert cycles == [4, 8, 10]
@@ -365,9 +358,9 @@ def test_log_every_cycles_writes_every_kth_cycle_and_the_last(tmp_path):
         (["--no-such-flag"], "--no-such-flag"),
     ],
 )
-def test_bad_input_gets_one_line_and_exit_code_2(tmp_path, flags, expected):
+def test_bad_input_exits_2_with_one_line(tmp_path, flags, expected):
     run_dir = tmp_path / "never"
-    result = run_script(*flags, "--run-dir", str(run_dir), timeout=120)
+    result = run_script(SCRIPT, *flags, "--run-dir", str(run_dir), timeout=120)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
@@ -378,7 +371,7 @@ def test_bad_input_gets_one_line_and_exit_code_2(tmp_path, flags, expected):
 def test_track_offline_writes_a_wandb_run_with_the_metrics(tmp_path):
     run_dir = tmp_path / "tracked"
     result = run_script(
-        "--num-total-env-steps", "2048", "--num-seeds", "2", "--track", "--wandb-mode", "offline",
+        SCRIPT, "--num-total-env-steps", "2048", "--num-seeds", "2", "--track", "--wandb-mode", "offline",
         "--run-dir", str(run_dir),
     )
     assert result.returncode == 0, result.stderr

@@ -9,31 +9,24 @@ from __future__ import annotations
 import csv
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import ROOT, run_script
 
-ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ROOT / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-from runs import differing_labels, metric_table, read_run  # noqa: E402
+sys.path.insert(0, str(ROOT / "scripts"))
+from runs import differing_labels, load_module, load_script_for_run, metric_table, read_run, script_path_for_run  # noqa: E402
 
 TINY = ["--num-total-env-steps", "256", "--num-seeds", "2"]
 SWEEP_GRID = ["--num-parallel-envs", "4", "--num-env-steps-per-cycle", "32", "--num-minibatches-per-epoch", "1", "2", "3"]
 
 
-def run_script(name: str, *arguments: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPTS / name), *arguments], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
-
-
 @pytest.fixture(scope="module")
 def sweep_dir(tmp_path_factory) -> Path:
     out_dir = tmp_path_factory.mktemp("sweep") / "out"
-    result = run_script("sweep.py", "--script", "ppo_mlp.py", *SWEEP_GRID, "--out-dir", str(out_dir), "--", *TINY)
+    result = run_script("scripts/sweep.py", "--script", "ppo_mlp.py", *SWEEP_GRID, "--out-dir", str(out_dir), "--", *TINY)
     assert result.returncode == 0, result.stderr
     return out_dir
 
@@ -59,10 +52,10 @@ def test_sweep_resume_skips_finished_runs_and_reruns_an_interrupted_one(sweep_di
     finished_mtime = (finished / "summary.json").stat().st_mtime_ns
     (interrupted / "summary.json").unlink()  # as if killed before it finished
 
-    refused = run_script("sweep.py", "--script", "ppo_mlp.py", *SWEEP_GRID, "--out-dir", str(sweep_dir), "--", *TINY)
+    refused = run_script("scripts/sweep.py", "--script", "ppo_mlp.py", *SWEEP_GRID, "--out-dir", str(sweep_dir), "--", *TINY)
     assert refused.returncode == 2 and "--resume" in refused.stderr
 
-    result = run_script("sweep.py", "--script", "ppo_mlp.py", *SWEEP_GRID, "--out-dir", str(sweep_dir), "--resume",
+    result = run_script("scripts/sweep.py", "--script", "ppo_mlp.py", *SWEEP_GRID, "--out-dir", str(sweep_dir), "--resume",
                         "--", *TINY)
     assert result.returncode == 0, result.stderr
     assert "envs4_steps32_mb1_ep4 (resumed)" in result.stdout
@@ -77,15 +70,15 @@ def test_sweep_resume_skips_finished_runs_and_reruns_an_interrupted_one(sweep_di
 def test_plot_writes_a_png_labelled_by_the_differing_args(sweep_dir, tmp_path):
     runs = [str(sweep_dir / "envs4_steps32_mb1_ep4"), str(sweep_dir / "envs4_steps32_mb2_ep4")]
     out = tmp_path / "curves.png"
-    result = run_script("plot.py", *runs, "--out", str(out), "--band", "minmax")
+    result = run_script("scripts/plot.py", *runs, "--out", str(out), "--band", "minmax")
     assert result.returncode == 0, result.stderr
     assert out.stat().st_size > 0
     assert "num_minibatches_per_epoch=1; num_minibatches_per_epoch=2" in result.stdout
 
     grid = tmp_path / "grid.png"
-    result = run_script("plot.py", *runs, "--out", str(grid), "--debug-grid")
+    result = run_script("scripts/plot.py", *runs, "--out", str(grid), "--debug-grid")
     assert result.returncode == 0, result.stderr
-    assert grid.stat().st_size > out.stat().st_size  # ten panels, not one
+    assert grid.stat().st_size > out.stat().st_size  # a panel per metric, not one
 
 
 def test_labels_and_null_returns():
@@ -94,6 +87,26 @@ def test_labels_and_null_returns():
     assert differing_labels([base, {**base, "run_dir": "b"}], ["a", "b"]) == ["a", "b"]  # only run_dir differs
     # A key only one args.json has (another script version) is not a difference.
     assert differing_labels([base, {**base, "clip_eps": 0.1, "new_flag": 3}], ["a", "b"]) == ["clip_eps=0.2", "clip_eps=0.1"]
+    # The same script in two checkouts is not a difference.
+    checkouts = [{**base, "script_path": "/a/ppo_mlp.py"}, {**base, "script_path": "/b/ppo_mlp.py"}]
+    assert differing_labels(checkouts, ["a", "b"]) == ["a", "b"]
+
+
+def test_loader_finds_the_script_that_wrote_a_run_and_keeps_same_named_files_apart(tmp_path):
+    for folder, marker in [("a", 1), ("b", 2)]:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "my_ppo.py").write_text(f"MARKER = {marker}\n")
+    first = load_script_for_run({"script": "my_ppo.py", "script_path": str(tmp_path / "a" / "my_ppo.py")})
+    second = load_module(tmp_path / "b" / "my_ppo.py")
+    assert (first.MARKER, second.MARKER) == (1, 2)
+    assert load_module(tmp_path / "a" / ".." / "a" / "my_ppo.py") is first  # once per resolved path
+    # A recorded path that is gone falls back to the recorded name in the repo root.
+    assert script_path_for_run({"script": "ppo_mlp.py", "script_path": "/gone/ppo_mlp.py"}) == ROOT / "ppo_mlp.py"
+    with pytest.raises(FileNotFoundError, match="/gone/my_ppo.py no longer exists, and there is no my_ppo.py in"):
+        script_path_for_run({"script": "my_ppo.py", "script_path": "/gone/my_ppo.py"})
+    # Older run dirs record no script: `lstm_size` tells the two apart.
+    assert script_path_for_run({"lstm_size": 8}) == ROOT / "ppo_lstm_impala.py"
+    assert script_path_for_run({"num_seeds": 1}) == ROOT / "ppo_mlp.py"
 
 
 def test_null_returns_are_missing_values_not_zeros(tmp_path):
@@ -107,7 +120,7 @@ def test_null_returns_are_missing_values_not_zeros(tmp_path):
 
 def test_ablate_table_has_the_baseline_and_the_flipped_details(tmp_path):
     out_dir = tmp_path / "ablation"
-    result = run_script("ablate.py", "--script", "ppo_mlp.py", "--env-id", "CartPole-v1", "--num-seeds", "2",
+    result = run_script("scripts/ablate.py", "--script", "ppo_mlp.py", "--env-id", "CartPole-v1", "--num-seeds", "2",
                         "--out-dir", str(out_dir), "--details", "norm-adv", "clip-eps", "frame-stack",
                         "--", "--num-total-env-steps", "256", "--num-env-steps-per-cycle", "32")
     assert result.returncode == 0, result.stderr
@@ -126,14 +139,13 @@ def test_ablate_table_has_the_baseline_and_the_flipped_details(tmp_path):
 
 def test_evaluate_prints_the_mean_return_per_seed_and_writes_a_minatar_gif(tmp_path):
     run_dir = tmp_path / "breakout"
-    training = subprocess.run(
-        [sys.executable, str(ROOT / "ppo_mlp.py"), "--env-id", "Breakout-MinAtar", "--num-parallel-envs", "4",
-         "--num-env-steps-per-cycle", "32", "--num-total-env-steps", "128", "--num-seeds", "2", "--run-dir", str(run_dir)],
-        capture_output=True, text=True, timeout=300,
+    training = run_script(
+        "ppo_mlp.py", "--env-id", "Breakout-MinAtar", "--num-parallel-envs", "4", "--num-env-steps-per-cycle", "32",
+        "--num-total-env-steps", "128", "--num-seeds", "2", "--run-dir", str(run_dir), timeout=300,
     )
     assert training.returncode == 0, training.stderr
     gif = tmp_path / "breakout.gif"
-    result = run_script("evaluate.py", str(run_dir), "--episodes", "2", "--gif", str(gif))
+    result = run_script("scripts/evaluate.py", str(run_dir), "--episodes", "2", "--gif", str(gif))
     assert result.returncode == 0, result.stderr
     assert re.search(r"^mean_return: \d+\.\d+ ± \d+\.\d+ +\(4 episodes, 2 seeds", result.stdout, re.MULTILINE)
     assert re.search(r"seed 1: .*\n\s+seed 2: ", result.stdout)
@@ -143,7 +155,47 @@ def test_evaluate_prints_the_mean_return_per_seed_and_writes_a_minatar_gif(tmp_p
         assert image.n_frames > 1 and image.size == (200, 200)  # 10 x 10 cells of 20 px
 
 
-def lstm_run_dir(run_dir: Path, num_seeds: int = 2):
+def test_tools_read_a_run_with_the_renamed_copy_of_the_script_that_wrote_it(tmp_path):
+    """A copy of ppo_mlp.py outside the repo, trained from another folder: evaluate.py and plot.py
+    load the copy, which says so when imported (the appended line runs on import only: run as a
+    script, the copy exits in main() before reaching it)."""
+    copy = tmp_path / "elsewhere" / "my_ppo.py"
+    copy.parent.mkdir()
+    copy.write_text((ROOT / "ppo_mlp.py").read_text() + '\nprint(f"imported {Path(__file__).name}")\n')
+    run_dir = tmp_path / "run"
+    training = run_script(copy, "--num-total-env-steps", "2048", "--num-seeds", "2", "--run-dir", str(run_dir),
+                          timeout=300, cwd=tmp_path)
+    assert training.returncode == 0, training.stderr
+    assert "imported" not in training.stdout
+    args = json.loads((run_dir / "args.json").read_text())
+    assert (args["script"], args["script_path"]) == ("my_ppo.py", str(copy.resolve()))
+
+    result = run_script("scripts/evaluate.py", str(run_dir), "--episodes", "2", timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "imported my_ppo.py" in result.stdout
+    assert re.search(r"^mean_return: \d+\.\d+ ± \d+\.\d+ .*CartPole-v1, my_ppo\.py\)$", result.stdout, re.MULTILINE)
+
+    grid = tmp_path / "grid.png"
+    result = run_script("scripts/plot.py", str(run_dir), "--out", str(grid), "--debug-grid", timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "imported my_ppo.py" in result.stdout and grid.stat().st_size > 0
+
+
+def test_a_run_whose_script_is_gone_gets_one_error_line_from_evaluate_and_plot(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "args.json").write_text(json.dumps({"script": "gone.py", "script_path": "/nowhere/gone.py"}))
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"cycle": 1, "env_steps": 8, "seed": 1}) + "\n")
+    (run_dir / "params.msgpack").write_bytes(b"")
+    for tool, *arguments in [("evaluate.py",), ("plot.py", "--out", str(tmp_path / "x.png"), "--debug-grid")]:
+        result = run_script(f"scripts/{tool}", str(run_dir), *arguments, timeout=60)
+        assert result.returncode == 2, result.stderr
+        error_lines = [line for line in result.stderr.splitlines() if "error:" in line]
+        assert len(error_lines) == 1 and "/nowhere/gone.py no longer exists, and there is no gone.py in" in error_lines[0]
+    assert not (tmp_path / "x.png").exists()
+
+
+def lstm_run_dir(run_dir: Path, num_seeds: int = 2, env_id: str = "Breakout-MinAtar"):
     """A run dir as ppo_lstm_impala.py writes it (args.json, params.msgpack of freshly initialised
     seeds), made with the script's own functions, without compiling a training run."""
     import dataclasses
@@ -152,7 +204,7 @@ def lstm_run_dir(run_dir: Path, num_seeds: int = 2):
     import jax
     import ppo_lstm_impala as lstm
 
-    args = lstm.Args(env_id="Breakout-MinAtar", num_seeds=num_seeds, impala_channels=(4,), torso_size=16, lstm_size=8,
+    args = lstm.Args(env_id=env_id, num_seeds=num_seeds, impala_channels=(4,), torso_size=16, lstm_size=8,
                      frame_stack=2, run_dir=str(run_dir))
     env, env_params = lstm.make_env(args.env_id)
     network = lstm.make_network(args, env.action_space(env_params).n)
@@ -171,7 +223,7 @@ def test_evaluate_uses_the_lstm_script_and_resets_the_carry_at_episode_starts(tm
     from evaluate import LSTMAgent
 
     lstm, args, env, env_params, network, params = lstm_run_dir(tmp_path / "lstm")
-    result = run_script("evaluate.py", str(tmp_path / "lstm"), "--episodes", "2")
+    result = run_script("scripts/evaluate.py", str(tmp_path / "lstm"), "--episodes", "2")
     assert result.returncode == 0, result.stderr
     assert "ppo_lstm_impala.py" in result.stdout and re.search(r"^mean_return: ", result.stdout, re.MULTILINE)
 
@@ -194,6 +246,19 @@ def test_evaluate_uses_the_lstm_script_and_resets_the_carry_at_episode_starts(tm
     assert (next_starts == done).all()
 
 
+@pytest.mark.skipif(not (ROOT / "ppo_lstm_impala.py").is_file(), reason="ppo_lstm_impala.py is not in the repo")
+def test_evaluate_masks_invalid_actions_of_the_lstm_policy_as_in_training(tmp_path):
+    """MaskedActionsImage: action 0 pays 1 but is always invalid, so no step may pay 1."""
+    import jax
+    from evaluate import LSTMAgent, make_rollout
+
+    lstm, args, env, env_params, network, params = lstm_run_dir(tmp_path / "masked", env_id="probe_envs:MaskedActionsImage")
+    agent = LSTMAgent(lstm, args, network, env, env_params)
+    rollout = jax.jit(make_rollout(agent, env, env_params, num_envs=32, num_steps=8, greedy=False))
+    reward, *_ = rollout(jax.tree.map(lambda x: x[0], params), jax.random.key(0))
+    assert reward.shape == (8, 32) and float(reward.max()) == 0.5  # action 1 (pays 0.5) taken, action 0 never
+
+
 @pytest.mark.parametrize(
     "arguments, message",
     [
@@ -209,8 +274,7 @@ def test_evaluate_uses_the_lstm_script_and_resets_the_carry_at_episode_starts(tm
     ],
 )
 def test_bad_arguments_exit_2_with_one_error_line(arguments, message, tmp_path):
-    result = subprocess.run([sys.executable, str(SCRIPTS / arguments[0]), *arguments[1:]], capture_output=True,
-                            text=True, timeout=60, cwd=tmp_path)
+    result = run_script(f"scripts/{arguments[0]}", *arguments[1:], timeout=60, cwd=tmp_path)
     assert result.returncode == 2
     error_lines = [line for line in result.stderr.splitlines() if "error:" in line]
     assert len(error_lines) == 1 and message in error_lines[0], result.stderr

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parent.parent
+from helpers import run_script
 
 
 def test_benchmark_prints_a_markdown_row_per_config(tmp_path):
     out = tmp_path / "bench.md"
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--script", "ppo_mlp.py", "--configs", "cartpole",
-         "cartpole-8-seeds", "--out", str(out), "--", "--num-total-env-steps", "2048"],
-        capture_output=True, text=True, timeout=300,
+    result = run_script(
+        "scripts/benchmark.py", "--script", "ppo_mlp.py", "--configs", "cartpole", "cartpole-8-seeds", "--out", str(out),
+        "--", "--num-total-env-steps", "2048", timeout=300,
     )
     assert result.returncode == 0, result.stderr
     rows = [line for line in out.read_text().splitlines() if line.startswith("| cartpole")]
@@ -23,19 +18,12 @@ def test_benchmark_prints_a_markdown_row_per_config(tmp_path):
 
 
 def test_benchmark_rejects_an_unknown_config():
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "benchmark.py"), "--script", "ppo_mlp.py", "--configs", "nope"],
-        capture_output=True, text=True, timeout=60,
-    )
+    result = run_script("scripts/benchmark.py", "--script", "ppo_mlp.py", "--configs", "nope", timeout=60)
     assert result.returncode == 2 and "--configs" in result.stderr
 
 
 def test_profile_cycle_splits_a_cycle_and_compares_with_the_bare_network():
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "profile_cycle.py"), "--script", "ppo_mlp.py", "--cycles", "2",
-         "--repeats", "1"],
-        capture_output=True, text=True, timeout=300,
-    )
+    result = run_script("scripts/profile_cycle.py", "--script", "ppo_mlp.py", "--cycles", "2", "--repeats", "1", timeout=300)
     assert result.returncode == 0, result.stderr
     for row in ["| cycle |", "| rollout + GAE |", "| update (epochs x minibatches) |", "| bare network"]:
         assert row in result.stdout, row
