@@ -467,12 +467,11 @@ def test_a_gru_copy_trains(tmp_path, lstm_training):
     copy = tmp_path / "ppo_gru.py"
     copy.write_text(source)
     run_dir = tmp_path / "run"
-    result = subprocess.run(
-        [sys.executable, str(copy), "--env-id", "probe_envs:Memory", "--impala-channels", "4", "--torso-size", "16",
-         "--lstm-size", "16", "--num-parallel-envs", "4", "--num-env-steps-per-cycle", "12",
-         "--num-minibatches-per-epoch", "2", "--num-total-env-steps", "480", "--lstm-training", lstm_training,
-         "--separate-critic", "--run-dir", str(run_dir)],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+    result = run_script(
+        copy, "--env-id", "probe_envs:Memory", "--impala-channels", "4", "--torso-size", "16", "--lstm-size", "16",
+        "--num-parallel-envs", "4", "--num-env-steps-per-cycle", "12", "--num-minibatches-per-epoch", "2",
+        "--num-total-env-steps", "480", "--lstm-training", lstm_training, "--separate-critic", "--run-dir", str(run_dir),
+        cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr
     assert json.loads((run_dir / "args.json").read_text())["script"] == "ppo_gru.py"
