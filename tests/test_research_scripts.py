@@ -130,9 +130,24 @@ def test_ablate_table_has_the_baseline_and_the_flipped_details(tmp_path):
     assert "`frame-stack`: skipped: the script has no --frame-stack" in table
     assert json.loads((out_dir / "norm-adv" / "args.json").read_text())["norm_adv"] is False
     assert json.loads((out_dir / "clip-eps" / "args.json").read_text())["clip_eps"] == 0.1
+    assert "| final IQM [95% CI] | P(final > baseline) |" in table and table.splitlines()[2].endswith("| finding |")
     rows = {row["detail"]: row for row in csv.DictReader(open(out_dir / "ablation.csv"))}
     assert rows["baseline"]["final_rel_pct"] == "0.0" and rows["norm-adv"]["final_mean"]
     assert rows["frame-stack"]["status"].startswith("skipped")
+    # IQM and its CI for every run; P(improvement) against the baseline for the details only.
+    for metric in ["final", "auc"]:
+        for detail in ["baseline", "norm-adv", "clip-eps"]:
+            row = rows[detail]
+            low, iqm, high = (float(row[f"{metric}_iqm{suffix}"]) for suffix in ["_ci_low", "", "_ci_high"])
+            assert low <= iqm <= high
+        assert rows["baseline"][f"{metric}_p_improve"] == ""
+        p_improve, low = (float(rows["norm-adv"][f"{metric}_p_improve{suffix}"]) for suffix in ["", "_ci_low"])
+        assert 0.0 <= low <= p_improve <= 1.0
+    # A finding exactly where the detail's CI excludes the baseline's IQM.
+    for detail in ["norm-adv", "clip-eps"]:
+        baseline_iqm, low, high = (float(rows[name][f"final_{column}"]) for name, column in
+                                   [("baseline", "iqm"), (detail, "iqm_ci_low"), (detail, "iqm_ci_high")])
+        assert ("final" in rows[detail]["finding"]) == (not low <= baseline_iqm <= high)
     for image in ["ablation.png", "learning_curves.png"]:
         assert (out_dir / image).stat().st_size > 0
 
