@@ -80,6 +80,11 @@ def test_plot_writes_a_png_labelled_by_the_differing_args(sweep_dir, tmp_path):
     assert result.returncode == 0, result.stderr
     assert grid.stat().st_size > out.stat().st_size  # a panel per metric, not one
 
+    bootstrap = tmp_path / "bootstrap.png"
+    result = run_script("scripts/plot.py", *runs, "--out", str(bootstrap), "--ci", "bootstrap")
+    assert result.returncode == 0, result.stderr
+    assert bootstrap.stat().st_size > 0
+
 
 def test_labels_and_null_returns():
     base = {"env_id": "CartPole-v1", "clip_eps": 0.2, "run_dir": "a", "seed": 1}
@@ -280,6 +285,8 @@ def test_evaluate_masks_invalid_actions_of_the_lstm_policy_as_in_training(tmp_pa
         (["plot.py", "no/such/run", "--out", "x.png"], "not a run dir"),
         (["plot.py", "--out", "x.png"], "RUN_DIR"),
         (["plot.py", ".", "--out", "x.png", "--band", "wide"], "--band"),
+        (["plot.py", ".", "--out", "x.png", "--ci", "normal"], "--ci"),
+        (["plot.py", ".", "--out", "x.png", "--ci", "bootstrap", "--band", "minmax"], "--ci bootstrap and --band minmax"),
         (["sweep.py", "--num-parallel-envs", "0", "--out-dir", "unused"], "--num-parallel-envs"),
         (["sweep.py", "--script", "nope.py", "--out-dir", "unused"], "--script"),
         (["ablate.py", "--details", "nope", "--out-dir", "unused"], "--details"),
