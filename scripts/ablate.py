@@ -10,7 +10,11 @@ DIR/ablation.md, DIR/ablation.csv, DIR/ablation.png (bars) and DIR/learning_curv
 
 Final return: per seed, the mean episodic return over the last 10% of cycles (the script's
 summary.json); AUC: per seed, the mean episodic return over all cycles. Both as mean ± sample
-std over seeds, and relative to the baseline's mean.
+std over seeds, relative to the baseline's mean, and as Agarwal et al. (2021) recommend (see
+stats.py): the interquartile mean (IQM) over seeds with a 95% bootstrap confidence interval, and
+the probability of improvement P(detail > baseline), the chance that a random seed of the detail
+beats a random seed of the baseline (ties count half). A detail is marked a finding (`lower
+final`, `higher AUC`, ...) only when its IQM's CI excludes the baseline's IQM.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from plot import default_window, draw_curve  # noqa: E402
+from stats import bootstrap_ci, finite_scores, interquartile_mean, probability_of_improvement  # noqa: E402
 from runs import (  # noqa: E402
     ROOT,
     area_under_curve,
@@ -92,11 +97,67 @@ def detail_flags(detail: Detail, defaults: dict[str, Any]) -> tuple[list[str], s
     return None, f"skipped: the script has no {' / '.join('--' + f.replace('_', '-') for f in detail.fields)}"
 
 
+METRICS = {"final": "final", "auc": "AUC"}  # row key: name in the finding column
+
+
 def summarize(run_dir: Path) -> dict[str, Any]:
+    """Per metric (final, auc): mean ± std, and the finite scores per seed (key `final_per_seed`)."""
     run = read_run(run_dir)
-    final = mean_std(run.summary["final_episodic_return_per_seed"])
-    auc = mean_std(area_under_curve(run))
-    return {"run": run, "final": final, "auc": auc, "num_seeds": run.args.get("num_seeds", 1)}
+    per_seed = {"final": finite_scores(run.summary["final_episodic_return_per_seed"]),
+                "auc": finite_scores(area_under_curve(run))}
+    return {"run": run, "num_seeds": run.args.get("num_seeds", 1),
+            **{key: mean_std(scores) for key, scores in per_seed.items()},
+            **{f"{key}_per_seed": scores for key, scores in per_seed.items()}}
+
+
+STAT_CSV_COLUMNS = ["iqm", "iqm_ci_low", "iqm_ci_high", "p_improve", "p_improve_ci_low", "p_improve_ci_high"]
+
+
+class Comparison(NamedTuple):
+    """One metric of one row against the baseline's (NaN where there are no scores, or for P on
+    the baseline itself)."""
+
+    iqm: float
+    iqm_ci: tuple[float, float]
+    p_improve: float
+    p_improve_ci: tuple[float, float]
+    finding: str  # "higher" or "lower" when the IQM's CI excludes the baseline's IQM, else ""
+
+    def csv_record(self, key: str) -> dict[str, str]:
+        """`{key}_iqm`, `{key}_iqm_ci_low`, ..., `{key}_p_improve_ci_high`; empty for NaN."""
+        values = [self.iqm, *self.iqm_ci, self.p_improve, *self.p_improve_ci]
+        return {f"{key}_{name}": "" if math.isnan(value) else f"{value:.{3 if name.startswith('p_') else 2}f}"
+                for name, value in zip(STAT_CSV_COLUMNS, values)}
+
+
+def compare(scores: np.ndarray, baseline_scores: np.ndarray, is_baseline: bool) -> Comparison:
+    if scores.size == 0 or baseline_scores.size == 0:
+        return Comparison(math.nan, (math.nan, math.nan), math.nan, (math.nan, math.nan), "")
+    iqm = float(interquartile_mean(scores))
+    low, high = bootstrap_ci(interquartile_mean, scores)
+    if is_baseline:
+        return Comparison(iqm, (low, high), math.nan, (math.nan, math.nan), "")
+    baseline_iqm = float(interquartile_mean(baseline_scores))
+    finding = "higher" if baseline_iqm < low else "lower" if baseline_iqm > high else ""
+    p_improve = float(probability_of_improvement(scores, baseline_scores))
+    return Comparison(iqm, (low, high), p_improve, bootstrap_ci(probability_of_improvement, scores, baseline_scores), finding)
+
+
+def findings(comparisons: dict[str, Comparison]) -> str:
+    """e.g. `lower final, lower AUC`; empty when no CI excludes the baseline."""
+    return ", ".join(f"{comparison.finding} {METRICS[key]}" for key, comparison in comparisons.items() if comparison.finding)
+
+
+STATISTICS_NOTE = (
+    "IQM: the mean of the middle 50% of seeds (int(n/4) cut from each end), with a 95% percentile bootstrap CI over "
+    "seeds; P(final > baseline), P(AUC > baseline): the probability that a random seed of the row beats one of the "
+    "baseline (ties count half), with its 95% bootstrap CI (Agarwal et al. 2021). A finding only where the IQM's CI "
+    "excludes the baseline's IQM."
+)
+
+
+def format_probability(value: float, interval: tuple[float, float]) -> str:
+    return "-" if math.isnan(value) else f"{value:.2f} [{interval[0]:.2f}, {interval[1]:.2f}]"
 
 
 def relative(value: float, baseline: float) -> float:
@@ -107,7 +168,12 @@ def relative(value: float, baseline: float) -> float:
 
 def write_outputs(out_dir: Path, rows: list[dict[str, Any]], header: str) -> None:
     baseline = rows[0]
-    csv_columns = ["detail", "change", "status", "final_mean", "final_std", "final_rel_pct", "auc_mean", "auc_std", "auc_rel_pct", "num_seeds"]
+    comparisons = {row["detail"]: {key: compare(row[f"{key}_per_seed"], baseline[f"{key}_per_seed"], row is baseline)
+                                   for key in METRICS}
+                   for row in rows if "final" in row}
+    stat_columns = [f"{key}_{name}" for key in METRICS for name in STAT_CSV_COLUMNS]
+    csv_columns = ["detail", "change", "status", "final_mean", "final_std", "final_rel_pct", "auc_mean", "auc_std", "auc_rel_pct",
+                   "num_seeds", *stat_columns, "finding"]
     with open(out_dir / "ablation.csv", "w", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=csv_columns)
         writer.writeheader()
@@ -119,24 +185,31 @@ def write_outputs(out_dir: Path, rows: list[dict[str, Any]], header: str) -> Non
                     final_rel_pct=f"{relative(row['final'][0], baseline['final'][0]):.1f}",
                     auc_mean=f"{row['auc'][0]:.2f}", auc_std=f"{row['auc'][1]:.2f}",
                     auc_rel_pct=f"{relative(row['auc'][0], baseline['auc'][0]):.1f}", num_seeds=row["num_seeds"],
+                    finding=findings(comparisons[row["detail"]]),
                 )
+                for key, comparison in comparisons[row["detail"]].items():
+                    record.update(comparison.csv_record(key))
             writer.writerow(record)
 
-    lines = [header, "", "| detail | change | final return | vs baseline | AUC (mean return, all cycles) | vs baseline |",
-             "|---|---|---|---|---|---|"]
+    lines = [header, "",
+             "| detail | change | final return | vs baseline | final IQM [95% CI] | P(final > baseline) "
+             "| AUC (mean return, all cycles) | vs baseline | AUC IQM [95% CI] | P(AUC > baseline) | finding |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     notes = []
     for row in rows:
         if "final" not in row:
             notes.append(f"- `{row['detail']}`: {row['status']}")
             continue
-        final_rel = relative(row["final"][0], baseline["final"][0])
-        auc_rel = relative(row["auc"][0], baseline["auc"][0])
-        is_baseline = row is baseline
-        lines.append(
-            f"| {row['detail']} | `{row['change']}` | {fmt(row['final'][0])} ± {fmt(row['final'][1])} | "
-            f"{'-' if is_baseline else f'{final_rel:+.1f}%'} | {fmt(row['auc'][0])} ± {fmt(row['auc'][1])} | "
-            f"{'-' if is_baseline else f'{auc_rel:+.1f}%'} |"
-        )
+        cells = [row["detail"], f"`{row['change']}`"]
+        for key, comparison in comparisons[row["detail"]].items():
+            change = relative(row[key][0], baseline[key][0])
+            cells += [f"{fmt(row[key][0])} ± {fmt(row[key][1])}", "-" if row is baseline else f"{change:+.1f}%",
+                      f"{fmt(comparison.iqm)} [{fmt(comparison.iqm_ci[0])}, {fmt(comparison.iqm_ci[1])}]",
+                      "-" if row is baseline else format_probability(comparison.p_improve, comparison.p_improve_ci)]
+        finding = findings(comparisons[row["detail"]])
+        cells.append("-" if row is baseline else f"**{finding}**" if finding else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", STATISTICS_NOTE]
     if notes:
         lines += ["", "Not run:", "", *notes]
     (out_dir / "ablation.md").write_text("\n".join(lines) + "\n")

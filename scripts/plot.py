@@ -3,10 +3,13 @@
     python scripts/plot.py runs/a runs/b --out curves.png
     python scripts/plot.py runs/a runs/b --out kl.png --metric losses/actor_approxkl3 --band minmax
     python scripts/plot.py runs/a --out debug.png --debug-grid --smooth 20
+    python scripts/plot.py runs/a runs/b --out curves.png --ci bootstrap
 
 One curve per run dir, labelled by the args that differ between the run dirs' args.json (e.g.
 `clip_eps=0.1`). Cycles in which no episode finished have a null return: they are skipped, never
-plotted as 0.
+plotted as 0. The band is ±1 std over seeds (default), min-max over seeds (--band minmax), or
+with --ci bootstrap the 95% percentile bootstrap confidence interval of the mean over seeds
+(2000 resamples of the seeds, fixed RNG seed; see stats.py).
 """
 
 from __future__ import annotations
@@ -24,6 +27,10 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runs import Run, differing_labels, load_script_for_run, metric_table, read_run  # noqa: E402
+from stats import bootstrap_mean_ci_per_row  # noqa: E402
+
+BAND_NAMES = {"std": "±1 std over seeds", "minmax": "min-max over seeds",
+              "bootstrap": "95% bootstrap CI of the mean over seeds"}
 
 
 def debug_metric_names(runs: list[Run]) -> tuple[str, ...]:
@@ -54,8 +61,8 @@ AUTO_WINDOW = 0  # a window per run: default_window([run])
 
 
 def draw_curve(ax, x: np.ndarray, values: np.ndarray, label: str, band: str, window: int = 1, **line_style) -> None:
-    """values (C, S): the mean over seeds, and std or min-max over seeds as a band; cycles where
-    every seed is null are left out."""
+    """values (C, S): the mean over seeds, and a band (`BAND_NAMES`): std, min-max or the bootstrap
+    CI of the mean over seeds; cycles where every seed is null are left out."""
     values = smooth(values, window)
     keep = np.any(~np.isnan(values), axis=1)
     x, values = x[keep], values[keep]
@@ -65,6 +72,8 @@ def draw_curve(ax, x: np.ndarray, values: np.ndarray, label: str, band: str, win
     if band == "std":
         spread = np.nanstd(values, axis=1)
         low, high = mean - spread, mean + spread
+    elif band == "bootstrap":
+        low, high = bootstrap_mean_ci_per_row(values)
     else:
         low, high = np.nanmin(values, axis=1), np.nanmax(values, axis=1)
     (line,) = ax.plot(x, mean, label=label, linewidth=1.2, **line_style)
@@ -108,7 +117,7 @@ def plot_runs(
     figure.tight_layout()
     handles, legend_labels = axes.flat[0].get_legend_handles_labels()
     if handles:
-        band_name = "±1 std over seeds" if band == "std" else "min-max over seeds"
+        band_name = BAND_NAMES[band]
         smoothing = {AUTO_WINDOW: ", moving average of 1% of each run's cycles", 1: ""}.get(
             window, f", moving average of {window} logged cycles")
         figure.legend(handles, legend_labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8,
@@ -123,11 +132,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
     parser.add_argument("--out", type=Path, required=True, help="the image to write, e.g. curves.png")
     parser.add_argument("--metric", default="charts/episodic_return", help="a metrics.jsonl key")
-    parser.add_argument("--band", choices=["std", "minmax"], default="std", help="band over seeds")
+    parser.add_argument("--band", choices=["std", "minmax"], help="band over seeds (default std)")
+    parser.add_argument("--ci", choices=["bootstrap"],
+                        help="shade the 95%% bootstrap confidence interval of the mean over seeds instead of --band")
     parser.add_argument("--debug-grid", action="store_true", help="a grid of every metric the training script logs (its METRIC_NAMES) instead")
     parser.add_argument("--smooth", type=int, default=1, metavar="CYCLES",
                         help="moving average over this many logged cycles, per seed (default 1: none; 0: 1%% of each run's cycles)")
     options = parser.parse_args(argv)
+    if options.ci and options.band:
+        parser.error(f"--ci {options.ci} and --band {options.band} are two bands: give one")
     if options.smooth < 0:
         parser.error(f"--smooth must be >= 0, got {options.smooth}")
     if options.out.suffix.lower() not in {".png", ".pdf", ".svg"}:
@@ -147,8 +160,8 @@ def main(argv: list[str] | None = None) -> int:
         known = sorted({key for run in runs for row in run.rows for key in row} - {"cycle", "env_steps", "seed"})
         parser.error(f"--metric {options.metric} is not in metrics.jsonl; choose from {', '.join(known)}")
     labels = differing_labels([run.args for run in runs], [run.path.name for run in runs])
-    plot_runs(runs, options.out, options.metric, options.band, labels=labels, debug_grid=options.debug_grid,
-              window=options.smooth)
+    band = options.ci or options.band or "std"
+    plot_runs(runs, options.out, options.metric, band, labels=labels, debug_grid=options.debug_grid, window=options.smooth)
     print(f"wrote {options.out}: {'; '.join(labels)}")
     return 0
 

@@ -23,6 +23,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark import ROOT, run_config  # noqa: E402
+from stats import finite_scores  # noqa: E402
 
 # args.json keys that never describe the experiment, left out of labels (`script_path` differs
 # between checkouts of the same script).
@@ -202,8 +203,7 @@ def area_under_curve(run: Run, metric: str = "charts/episodic_return") -> np.nda
 
 def mean_std(values: Any) -> tuple[float, float]:
     """Mean and sample std (ddof 1; 0 for one value) of the finite values; NaN when none."""
-    values = np.array([np.nan if value is None else value for value in values], dtype=float)
-    values = values[np.isfinite(values)]
+    values = finite_scores(values)
     if values.size == 0:
         return math.nan, math.nan
     return float(values.mean()), float(values.std(ddof=1)) if values.size > 1 else 0.0

@@ -80,6 +80,11 @@ def test_plot_writes_a_png_labelled_by_the_differing_args(sweep_dir, tmp_path):
     assert result.returncode == 0, result.stderr
     assert grid.stat().st_size > out.stat().st_size  # a panel per metric, not one
 
+    bootstrap = tmp_path / "bootstrap.png"
+    result = run_script("scripts/plot.py", *runs, "--out", str(bootstrap), "--ci", "bootstrap")
+    assert result.returncode == 0, result.stderr
+    assert bootstrap.stat().st_size > 0
+
 
 def test_labels_and_null_returns():
     base = {"env_id": "CartPole-v1", "clip_eps": 0.2, "run_dir": "a", "seed": 1}
@@ -130,9 +135,24 @@ def test_ablate_table_has_the_baseline_and_the_flipped_details(tmp_path):
     assert "`frame-stack`: skipped: the script has no --frame-stack" in table
     assert json.loads((out_dir / "norm-adv" / "args.json").read_text())["norm_adv"] is False
     assert json.loads((out_dir / "clip-eps" / "args.json").read_text())["clip_eps"] == 0.1
+    assert "| final IQM [95% CI] | P(final > baseline) |" in table and table.splitlines()[2].endswith("| finding |")
     rows = {row["detail"]: row for row in csv.DictReader(open(out_dir / "ablation.csv"))}
     assert rows["baseline"]["final_rel_pct"] == "0.0" and rows["norm-adv"]["final_mean"]
     assert rows["frame-stack"]["status"].startswith("skipped")
+    # IQM and its CI for every run; P(improvement) against the baseline for the details only.
+    for metric in ["final", "auc"]:
+        for detail in ["baseline", "norm-adv", "clip-eps"]:
+            row = rows[detail]
+            low, iqm, high = (float(row[f"{metric}_iqm{suffix}"]) for suffix in ["_ci_low", "", "_ci_high"])
+            assert low <= iqm <= high
+        assert rows["baseline"][f"{metric}_p_improve"] == ""
+        p_improve, low = (float(rows["norm-adv"][f"{metric}_p_improve{suffix}"]) for suffix in ["", "_ci_low"])
+        assert 0.0 <= low <= p_improve <= 1.0
+    # A finding exactly where the detail's CI excludes the baseline's IQM.
+    for detail in ["norm-adv", "clip-eps"]:
+        baseline_iqm, low, high = (float(rows[name][f"final_{column}"]) for name, column in
+                                   [("baseline", "iqm"), (detail, "iqm_ci_low"), (detail, "iqm_ci_high")])
+        assert ("final" in rows[detail]["finding"]) == (not low <= baseline_iqm <= high)
     for image in ["ablation.png", "learning_curves.png"]:
         assert (out_dir / image).stat().st_size > 0
 
@@ -265,6 +285,8 @@ def test_evaluate_masks_invalid_actions_of_the_lstm_policy_as_in_training(tmp_pa
         (["plot.py", "no/such/run", "--out", "x.png"], "not a run dir"),
         (["plot.py", "--out", "x.png"], "RUN_DIR"),
         (["plot.py", ".", "--out", "x.png", "--band", "wide"], "--band"),
+        (["plot.py", ".", "--out", "x.png", "--ci", "normal"], "--ci"),
+        (["plot.py", ".", "--out", "x.png", "--ci", "bootstrap", "--band", "minmax"], "--ci bootstrap and --band minmax"),
         (["sweep.py", "--num-parallel-envs", "0", "--out-dir", "unused"], "--num-parallel-envs"),
         (["sweep.py", "--script", "nope.py", "--out-dir", "unused"], "--script"),
         (["ablate.py", "--details", "nope", "--out-dir", "unused"], "--details"),
