@@ -392,9 +392,9 @@ def minibatch_update(
     carry: UpdateCarry, minibatch: Batch, clip_eps: jax.Array, network: ActorCritic,
     optimizer: optax.GradientTransformation, args: Args, axis_name: str | None,
 ) -> UpdateCarry:
-    """One gradient step, applied unless the cycle has stopped: --target-kl exceeded (measured
-    before this step, on this minibatch), or a non-finite loss or gradient (the NaN guard).
-    Under shard_map the gradients, loss and metrics are averaged over devices first."""
+    """One gradient step, skipped once --target-kl is exceeded (measured before this step, on this
+    minibatch). A non-finite loss or gradient is recorded in `non_finite`; the NaN guard then undoes
+    the whole cycle. Under shard_map the gradients, loss and metrics are averaged over devices."""
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
     (loss, metrics), grads = grad_fn(carry.params, minibatch, clip_eps, network, args, axis_name)
     loss, metrics, grads = mean_over_devices((loss, metrics, grads), axis_name)
@@ -405,11 +405,11 @@ def minibatch_update(
     kl_stopped = carry.kl_stopped
     if args.target_kl is not None:  # 37 details: target-KL early stopping
         kl_stopped = kl_stopped | (metrics["losses/actor_approxkl3"] > args.target_kl)
+        keep_if_not_stopped = lambda new, old: jnp.where(kl_stopped, old, new)  # noqa: E731
+        params, opt_state = jax.tree.map(keep_if_not_stopped, (params, opt_state), (carry.params, carry.opt_state))
     non_finite = first_non_finite(carry.non_finite, loss, metrics["losses/grad_norm"])
     applied = ~kl_stopped & (non_finite == 0)
-    keep_if_applied = lambda new, old: jnp.where(applied, new, old)  # noqa: E731
     metric_sums = jax.tree.map(lambda total, value: total + jnp.where(applied, value, 0.0), carry.metric_sums, metrics)
-    params, opt_state = jax.tree.map(keep_if_applied, (params, opt_state), (carry.params, carry.opt_state))
     return UpdateCarry(params, opt_state, kl_stopped, non_finite, metric_sums, carry.num_applied + applied)
 
 
@@ -751,12 +751,13 @@ def first_non_finite(non_finite: jax.Array, loss: jax.Array, grad_norm: jax.Arra
 
 
 def guard_non_finite(state: TrainState, params: Any, opt_state: Any, non_finite: jax.Array) -> TrainState:
-    """The state after a cycle's update: the cycle's updates are undone if the parameters are not
-    finite, and the first failure of the seed is recorded with its cycle."""
+    """The state after a cycle's update: the whole cycle is undone if any check failed in it (or
+    failed before: a failed seed never changes again), and the seed's first failure is recorded
+    with its cycle. One select per cycle, not per minibatch."""
     params_finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(leaf)) for leaf in jax.tree.leaves(params)]))
     non_finite = jnp.where(non_finite > 0, non_finite, jnp.where(params_finite, 0, NON_FINITE_CHECKS.index("parameters")))
     params, opt_state = jax.tree.map(
-        lambda new, old: jnp.where(params_finite, new, old), (params, opt_state), (state.params, state.opt_state)
+        lambda new, old: jnp.where(non_finite == 0, new, old), (params, opt_state), (state.params, state.opt_state)
     )
     newly_failed = (state.non_finite == 0) & (non_finite > 0)
     return state._replace(
