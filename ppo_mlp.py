@@ -591,18 +591,21 @@ def validate_args(args: Args) -> None:
             f"(--num-parallel-envs x --num-env-steps-per-cycle = {args.batch_size})"
         )
     for name in ["lr", "clip_eps", "max_grad_norm", "adam_eps"]:
-        if not getattr(args, name) > 0:
-            raise ConfigError(f"{flag(name)} must be > 0, got {getattr(args, name)}")
+        if not 0 < getattr(args, name) < math.inf:
+            raise ConfigError(f"{flag(name)} must be a finite number > 0, got {getattr(args, name)}")
     for name in ["ent_coef", "vf_coef"]:
-        if not getattr(args, name) >= 0:
-            raise ConfigError(f"{flag(name)} must be >= 0, got {getattr(args, name)}")
+        if not 0 <= getattr(args, name) < math.inf:
+            raise ConfigError(f"{flag(name)} must be a finite number >= 0, got {getattr(args, name)}")
     for name in ["gamma", "gae_lambda"]:
         if not 0 <= getattr(args, name) <= 1:
             raise ConfigError(f"{flag(name)} must be in [0, 1], got {getattr(args, name)}")
     if args.checkpoint_every_cycles is not None and args.checkpoint_every_cycles <= 0:
         raise ConfigError(f"--checkpoint-every-cycles must be a positive integer, got {args.checkpoint_every_cycles}")
-    if args.target_kl is not None and not args.target_kl > 0:
-        raise ConfigError(f"--target-kl must be > 0 when set, got {args.target_kl}")
+    if args.target_kl is not None and not 0 < args.target_kl < math.inf:
+        raise ConfigError(f"--target-kl must be a finite number > 0 when set, got {args.target_kl}")
+    for name in ["run_dir", "resume"]:
+        if getattr(args, name) is not None and not getattr(args, name).strip():
+            raise ConfigError(f"{flag(name)} must name a folder, got {getattr(args, name)!r}")
     if not args.hidden_sizes or min(args.hidden_sizes) <= 0:
         raise ConfigError(f"--hidden-sizes must be one or more positive integers, got {args.hidden_sizes}")
 
