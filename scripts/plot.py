@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runs import Run, differing_labels, load_script_for_run, metric_table, read_run  # noqa: E402
+from runs import DamagedRunDir, Run, differing_labels, load_script_for_run, metric_table, read_run  # noqa: E402
 
 
 def debug_metric_names(runs: list[Run]) -> tuple[str, ...]:
@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     for run_dir in options.run_dirs:
         try:
             runs.append(read_run(run_dir))
-        except FileNotFoundError as error:
+        except (FileNotFoundError, DamagedRunDir) as error:
             parser.error(str(error))
     if options.debug_grid:
         try:
