@@ -14,10 +14,12 @@ import contextlib
 import dataclasses
 import datetime
 import difflib
+import hashlib
 import importlib
 import io
 import itertools
 import json
+import logging
 import math
 import os
 import re
@@ -97,6 +99,7 @@ class Args:
     run_dir: str | None = None  # output folder; default runs/<env>__<exp-name>__<seed>__<time>
     log_every_cycles: int = 1  # write metrics every this many cycles (the last cycle is always written)
     checkpoint_every_cycles: int | None = None  # save the full training state; default: every 10% of the run
+    keep_checkpoints: int = 2  # keep the newest N checkpoints; --resume falls back to an older one if the newest is damaged
     resume: str | None = None  # continue this run dir from its last checkpoint; only logging flags may change
 
     # --- derived ----------------------------------------------------------------------
@@ -568,6 +571,7 @@ def validate_args(args: Args) -> None:
         "num_epochs_per_cycle",
         "num_minibatches_per_epoch",
         "log_every_cycles",
+        "keep_checkpoints",
     ]
     for name in positive_ints:
         if getattr(args, name) <= 0:
@@ -587,18 +591,21 @@ def validate_args(args: Args) -> None:
             f"(--num-parallel-envs x --num-env-steps-per-cycle = {args.batch_size})"
         )
     for name in ["lr", "clip_eps", "max_grad_norm", "adam_eps"]:
-        if not getattr(args, name) > 0:
-            raise ConfigError(f"{flag(name)} must be > 0, got {getattr(args, name)}")
+        if not 0 < getattr(args, name) < math.inf:
+            raise ConfigError(f"{flag(name)} must be a finite number > 0, got {getattr(args, name)}")
     for name in ["ent_coef", "vf_coef"]:
-        if not getattr(args, name) >= 0:
-            raise ConfigError(f"{flag(name)} must be >= 0, got {getattr(args, name)}")
+        if not 0 <= getattr(args, name) < math.inf:
+            raise ConfigError(f"{flag(name)} must be a finite number >= 0, got {getattr(args, name)}")
     for name in ["gamma", "gae_lambda"]:
         if not 0 <= getattr(args, name) <= 1:
             raise ConfigError(f"{flag(name)} must be in [0, 1], got {getattr(args, name)}")
     if args.checkpoint_every_cycles is not None and args.checkpoint_every_cycles <= 0:
         raise ConfigError(f"--checkpoint-every-cycles must be a positive integer, got {args.checkpoint_every_cycles}")
-    if args.target_kl is not None and not args.target_kl > 0:
-        raise ConfigError(f"--target-kl must be > 0 when set, got {args.target_kl}")
+    if args.target_kl is not None and not 0 < args.target_kl < math.inf:
+        raise ConfigError(f"--target-kl must be a finite number > 0 when set, got {args.target_kl}")
+    for name in ["run_dir", "resume"]:
+        if getattr(args, name) is not None and not getattr(args, name).strip():
+            raise ConfigError(f"{flag(name)} must name a folder, got {getattr(args, name)!r}")
     if not args.hidden_sizes or min(args.hidden_sizes) <= 0:
         raise ConfigError(f"--hidden-sizes must be one or more positive integers, got {args.hidden_sizes}")
 
@@ -883,7 +890,8 @@ def key_data_or_array(leaf: jax.Array) -> jax.Array:
 
 
 class MetricsLogger:
-    """Host side of the metrics callback: metrics.jsonl, a console line and wandb."""
+    """Host side of the metrics callback: metrics.jsonl, a console line and wandb. A failed write
+    (disk full, no permission) raises a WriteError, which stops the run."""
 
     def __init__(self, args: Args, run_dir: Path):
         self.args = args
@@ -894,6 +902,7 @@ class MetricsLogger:
         self.last_time: float | None = None
         self.last_cycle = 0
         self.last_print = 0.0
+        self.error: WriteError | None = None
 
     def start(self, cycle: int, wandb_run: Any | None) -> None:
         """Called once compiled, just before training: nothing is written before that."""
@@ -923,8 +932,12 @@ class MetricsLogger:
                 line = {"cycle": row_cycle, "env_steps": row_cycle * self.args.batch_size, "seed": seed, "charts/SPS": sps}
                 line.update((name, value if math.isfinite(value) else None) for name, value in zip(METRIC_NAMES, seed_values))
                 lines.append(json.dumps(line))
-        self.file.write("\n".join(lines) + "\n")
-        self.file.flush()
+        try:
+            self.file.write("\n".join(lines) + "\n")
+            self.file.flush()
+        except OSError as error:
+            self.error = WriteError(f"cannot write {self.path}: {error}; the run stopped")
+            raise self.error from None
         if self.wandb_run is not None:  # every row, against its env steps
             for row_cycle, row in zip(cycles, rows):
                 log = {name: value for name, value in self.seed_means(row).items() if value is not None}
@@ -953,7 +966,11 @@ class MetricsLogger:
         return {name: sum(column) / len(column) if column else None for name, column in zip(METRIC_NAMES, columns)}
 
     def close(self) -> None:
-        self.file.close()
+        try:
+            self.file.close()
+        except OSError:
+            if self.error is None:  # else: the rows that failed to write, already reported
+                raise
 
 
 def fmt(value: float | None) -> str:
@@ -986,10 +1003,22 @@ def script_info() -> dict[str, str]:
 
 
 def args_from_json(path: Path) -> Args:
-    data = json.loads(Path(path).read_text())
+    """The Args of a run. An unreadable file, or one written by another script, is a ConfigError."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as error:  # ValueError: not UTF-8, or not JSON
+        raise ConfigError(f"{path} is unreadable ({error})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} is damaged: it holds no arguments")
+    unknown = sorted(set(data) - {field.name for field in dataclasses.fields(Args)} - set(script_info()))
+    if unknown:
+        raise ConfigError(
+            f"{path} was written by {data.get('script', 'another script')}, not {Path(__file__).name} "
+            f"(it has {', '.join(unknown)})"
+        )
     for key in script_info():
         data.pop(key, None)
-    data["hidden_sizes"] = tuple(data["hidden_sizes"])
+    data["hidden_sizes"] = tuple(data.get("hidden_sizes", Args.hidden_sizes))
     return Args(**data)
 
 
@@ -1002,7 +1031,13 @@ def load_params(run_dir: str | Path) -> tuple[Args, Any]:
     obs_shape = env.observation_space(env_params).shape
     template = init_params(network, jax.random.key(0), args, obs_shape)
     template = stack_seeds([template] * args.num_seeds)
-    params = flax.serialization.from_bytes(template, (run_dir / "params.msgpack").read_bytes())
+    path = run_dir / "params.msgpack"
+    try:
+        params = flax.serialization.from_bytes(template, path.read_bytes())
+    except Exception as error:  # msgpack and flax raise several kinds for a damaged file
+        raise ConfigError(f"{path} is damaged ({type(error).__name__}: {error})") from None
+    if jax.tree.map(np.shape, params) != jax.tree.map(np.shape, template):
+        raise ConfigError(f"{path} is damaged: its shapes do not match {run_dir / 'args.json'}")
     return args, params
 
 
@@ -1040,51 +1075,144 @@ def use_unrolled_threefry_on_cpu() -> None:
 # Args that may differ when a run is resumed: they change what is logged, not what is trained.
 RESUMABLE_FIELDS = (
     "track", "wandb_project", "wandb_entity", "wandb_group", "wandb_mode", "run_dir",
-    "log_every_cycles", "checkpoint_every_cycles", "resume", "exp_name",
+    "log_every_cycles", "checkpoint_every_cycles", "keep_checkpoints", "resume", "exp_name",
 )
+
+
+class WriteError(RuntimeError):
+    """A checkpoint or metrics.jsonl could not be written (disk full, no permission). Raised in a
+    host callback, it stops the compiled run; `main` prints it as one line and exits with code 1."""
+
+
+def without_write_error_tracebacks(record: logging.LogRecord) -> bool:
+    """A logging filter for jax.debug.callback, which logs the traceback of whatever its callback
+    raises: a WriteError gets its one line from `main` instead."""
+    return not (record.exc_info and isinstance(record.exc_info[1], WriteError))
+
+
+def checksum(arrays: dict[str, np.ndarray]) -> str:
+    """SHA-256 of every array's name, dtype, shape and bytes."""
+    digest = hashlib.sha256()
+    for name in sorted(arrays):
+        array = np.ascontiguousarray(arrays[name])
+        digest.update(f"{name} {array.dtype.str} {array.shape}\n".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()
+
+
+def checkpoint_cycle(path: Path) -> int | None:
+    """The cycle in a checkpoint's file name (checkpoint-<cycle>.npz); None for other names."""
+    number = path.name.removeprefix("checkpoint-").removesuffix(".npz")
+    return int(number) if number.isdigit() else None
+
+
+def read_checkpoint(path: Path) -> dict[str, np.ndarray]:
+    """The arrays of a checkpoint that validates: it opens, and holds its cycle (the one in its
+    name) and the checksum of its arrays. Otherwise a ValueError says what is wrong."""
+    try:
+        with np.load(path) as saved:
+            arrays = {name: saved[name] for name in saved.files}
+    except Exception as error:  # a damaged zip raises many kinds: BadZipFile, EOFError, NotImplementedError...
+        raise ValueError(f"unreadable: {type(error).__name__}: {error}") from None
+    stored = arrays.pop("checksum", None)
+    if stored is None or "cycle" not in arrays:
+        raise ValueError("it has no checksum or no cycle")
+    if str(stored) != checksum(arrays):
+        raise ValueError("its checksum does not match its contents")
+    if arrays["cycle"].shape != () or int(arrays["cycle"]) != checkpoint_cycle(path):
+        raise ValueError(f"it holds cycle {arrays['cycle']}, not the one in its name")
+    return arrays
 
 
 class Checkpointer:
     """Host side of the checkpoint callback: the full training state of every seed (params,
-    optimizer state, env states, RNG keys, counters) in RUN_DIR/checkpoint.npz. Each write goes
-    to a temporary file that is atomically renamed, so a kill mid-write keeps the previous one."""
+    optimizer state, env states, RNG keys, counters) in RUN_DIR/checkpoint-<cycle>.npz, with its
+    cycle and a checksum, for the newest `keep` checkpoints. Each write goes to a temporary file
+    that is atomically renamed, so a kill mid-write keeps the previous ones; a failed write
+    (disk full, no permission) raises a WriteError, which stops the run."""
 
-    def __init__(self, run_dir: Path):
-        self.path = run_dir / "checkpoint.npz"
+    def __init__(self, run_dir: Path, keep: int):
+        self.run_dir = run_dir
+        self.keep = keep
         self.last_saved_cycle = -1
+        self.error: WriteError | None = None
+        self.restored: tuple[Path, dict[str, np.ndarray]] | None = None  # set by read_newest_valid
 
     def __call__(self, cycle: Any, host_states: Any) -> None:
         if jax.process_index() != 0 or int(cycle) <= self.last_saved_cycle:  # one writer; never older
             return
         self.last_saved_cycle = int(cycle)
-        leaves = {f"leaf_{index}": np.asarray(leaf) for index, leaf in enumerate(jax.tree.leaves(host_states))}
-        temporary = self.path.with_suffix(".npz.tmp")
-        with open(temporary, "wb") as file:
-            np.savez(file, cycle=np.asarray(cycle), **leaves)
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(temporary, self.path)
+        arrays = {f"leaf_{index}": np.asarray(leaf) for index, leaf in enumerate(jax.tree.leaves(host_states))}
+        arrays["cycle"] = np.asarray(cycle)
+        path = self.run_dir / f"checkpoint-{int(cycle)}.npz"
+        temporary = path.with_suffix(".npz.tmp")
+        try:
+            with open(temporary, "wb") as file:
+                np.savez(file, checksum=np.asarray(checksum(arrays)), **arrays)
+                file.flush()
+                os.fsync(file.fileno())
+            os.replace(temporary, path)
+            for old in self.paths()[self.keep :]:
+                old.unlink()
+        except OSError as error:
+            with contextlib.suppress(OSError):
+                temporary.unlink()
+            self.error = WriteError(f"cannot write {path}: {error}; the run stopped, its earlier checkpoints are intact")
+            raise self.error from None
+
+    def paths(self) -> list[Path]:
+        """The checkpoints in the run dir, newest first."""
+        found = [(checkpoint_cycle(path), path) for path in self.run_dir.glob("checkpoint-*.npz")]
+        return [path for cycle, path in sorted(found, reverse=True) if cycle is not None]
+
+    def read_newest_valid(self) -> None:
+        """Reads the newest checkpoint that validates, for `load`, with one warning line for each
+        newer one that does not. None at all is a ConfigError."""
+        damaged = []
+        for path in self.paths():
+            try:
+                self.restored = path, read_checkpoint(path)
+            except ValueError as error:
+                damaged.append(f"{path} is damaged ({error})")
+                continue
+            for text in damaged:
+                print(f"warning: {text}; resuming from cycle {checkpoint_cycle(path)} ({path.name})", file=sys.stderr)
+            return
+        if not damaged:
+            raise ConfigError(f"--resume {self.run_dir}: no checkpoint was written before it stopped; start it again")
+        raise ConfigError(f"--resume {self.run_dir}: no checkpoint validates: {'; '.join(damaged)}")
 
     def load(self, template: TrainState) -> tuple[TrainState, int]:
-        """The saved states, shaped and typed like `template` (freshly initialised states)."""
-        with np.load(self.path) as saved:
-            template_leaves, treedef = jax.tree.flatten(template)
-            if len(saved.files) != len(template_leaves) + 1:
-                raise ConfigError(f"--resume: {self.path} does not match this script's training state")
-            leaves = []
-            for index, like in enumerate(template_leaves):
-                data = saved[f"leaf_{index}"]
-                if jnp.issubdtype(like.dtype, jax.dtypes.prng_key):
-                    leaves.append(jax.random.wrap_key_data(data, impl=jax.random.key_impl(like)))
-                elif data.shape != like.shape:
-                    raise ConfigError(f"--resume: {self.path} does not match this script's training state")
-                else:
-                    leaves.append(jnp.asarray(data, like.dtype))
-            return jax.tree.unflatten(treedef, leaves), int(saved["cycle"])
+        """The states read by read_newest_valid, shaped and typed like `template` (freshly
+        initialised states)."""
+        path, arrays = self.restored
+        template_leaves, treedef = jax.tree.flatten(template)
+        if len(arrays) != len(template_leaves) + 1:
+            raise ConfigError(f"--resume: {path} does not match this script's training state")
+        leaves = []
+        for index, like in enumerate(template_leaves):
+            data = arrays.get(f"leaf_{index}")
+            if data is None or data.shape != key_data_or_array(like).shape:
+                raise ConfigError(f"--resume: {path} does not match this script's training state")
+            if jnp.issubdtype(like.dtype, jax.dtypes.prng_key):
+                leaves.append(jax.random.wrap_key_data(data, impl=jax.random.key_impl(like)))
+            else:
+                leaves.append(jnp.asarray(data, like.dtype))
+        return jax.tree.unflatten(treedef, leaves), int(arrays["cycle"])
+
+    def drop_after(self, cycle: int) -> None:
+        """On resume: the checkpoints after `cycle` (damaged ones it fell back past) and leftover
+        temporary files go, as the metrics rows after it do."""
+        for path in self.paths():
+            if checkpoint_cycle(path) > cycle:
+                path.unlink()
+        for path in self.run_dir.glob("checkpoint-*.npz.tmp"):
+            path.unlink()
 
 
 def prepare_resume(args: Args) -> tuple[Path, Checkpointer]:
-    """Checks that --resume can continue the run in that folder."""
+    """Checks that --resume can continue the run in that folder, and reads its newest checkpoint
+    that validates. Nothing in the folder changes here."""
     run_dir = Path(args.resume)
     if not (run_dir / "args.json").exists():
         raise ConfigError(f"--resume {run_dir}: no args.json there, so no run to resume")
@@ -1097,18 +1225,38 @@ def prepare_resume(args: Args) -> tuple[Path, Checkpointer]:
             )
     if (run_dir / "summary.json").exists():
         raise ConfigError(f"--resume {run_dir}: that run already finished")
-    checkpointer = Checkpointer(run_dir)
-    if not checkpointer.path.exists():
-        raise ConfigError(f"--resume {run_dir}: no checkpoint was written before it stopped; start it again")
+    read_metrics_rows(run_dir / "metrics.jsonl")
+    checkpointer = Checkpointer(run_dir, args.keep_checkpoints)
+    checkpointer.read_newest_valid()
     return run_dir, checkpointer
+
+
+def read_metrics_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of metrics.jsonl. A last line without its newline was torn by a kill mid-write:
+    it is left out (a resumed run logs it again). Any other line that is not a row is a ConfigError."""
+    try:
+        text = path.read_text()
+    except (OSError, ValueError) as error:  # ValueError: not UTF-8
+        raise ConfigError(f"--resume: {path} is unreadable ({error})") from None
+    rows = []
+    for number, line in enumerate(text.split("\n")[:-1], start=1):  # [-1]: after the last newline
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if not (isinstance(row, dict) and all(name in row for name in ("cycle", "seed", *METRIC_NAMES))):
+            raise ConfigError(f"--resume: {path} line {number} is damaged: {line[:40]!r}")
+        rows.append(row)
+    return rows
 
 
 def keep_metrics_up_to(run_dir: Path, last_cycle: int) -> list[dict[str, Any]]:
     """Drops metrics.jsonl rows logged after the checkpoint (they are logged again on resume)
     and returns the rows kept."""
     path = run_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    kept = [row for row in rows if row["cycle"] <= last_cycle]
+    kept = [row for row in read_metrics_rows(path) if row["cycle"] <= last_cycle]
     temporary = path.with_suffix(".jsonl.tmp")
     temporary.write_text("".join(json.dumps(row) + "\n" for row in kept))
     os.replace(temporary, path)
@@ -1128,7 +1276,7 @@ def run(args: Args) -> dict[str, Any]:
         run_dir = Path(args.run_dir) if args.run_dir else default_run_dir(args)
         if (run_dir / "metrics.jsonl").exists():
             raise ConfigError(f"--run-dir {run_dir} already holds a run; choose another folder, or --resume it")
-        checkpointer = Checkpointer(run_dir)
+        checkpointer = Checkpointer(run_dir, args.keep_checkpoints)
 
     start = time.perf_counter()
     init, train = make_train(args, env, env_params, mesh)
@@ -1148,6 +1296,7 @@ def run(args: Args) -> dict[str, Any]:
     kept_rows = []
     if args.resume:
         kept_rows = keep_metrics_up_to(run_dir, start_cycle)
+        checkpointer.drop_after(start_cycle)
         print(f"resuming {run_dir} from cycle {start_cycle}", flush=True)
     else:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -1172,11 +1321,19 @@ def run(args: Args) -> dict[str, Any]:
     print(f"run dir: {run_dir}  |  {args.num_cycles} cycles x {args.batch_size} env steps x {args.num_seeds} seeds", flush=True)
 
     logger.start(start_cycle, wandb_run)
+    logging.getLogger("jax._src.debugging").addFilter(without_write_error_tracebacks)
     run_start = time.perf_counter()
-    states, metrics = compiled(states)
-    jax.block_until_ready((states, metrics))
+    try:
+        states, metrics = compiled(states)
+        jax.block_until_ready((states, metrics))
+    except jax.errors.JaxRuntimeError:
+        write_error = checkpointer.error or logger.error
+        if write_error is None:
+            raise
+        raise write_error from None
+    finally:
+        logger.close()
     run_seconds = time.perf_counter() - run_start
-    logger.close()
 
     episodic_return = np.full((args.num_cycles, args.num_seeds), np.nan)
     seed_index = {args.seed + i: i for i in range(args.num_seeds)}
@@ -1251,12 +1408,14 @@ def parse_args(argv: list[str] | None = None) -> Args:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
     try:
-        summary = run(args)
-    except ConfigError as error:
+        summary = run(parse_args(argv))
+    except ConfigError as error:  # bad input: nothing was written
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except (WriteError, OSError) as error:  # the run dir could not be written (disk full, no permission)
+        print(f"error: {error}", file=sys.stderr)
+        return 1
     return 1 if summary["failures"] else 0
 
 

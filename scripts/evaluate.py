@@ -18,14 +18,13 @@ cells, CartPole and Acrobot as a line drawing of the state.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runs import load_script_for_run  # noqa: E402
+from runs import DamagedRunDir, load_script_for_run, read_json_object  # noqa: E402
 
 DEFAULT_MAX_STEPS = 10_000  # for envs whose params have no max_steps_in_episode
 GIF_FRAME_MS = 60
@@ -237,11 +236,16 @@ def evaluate(run_dir: Path, episodes: int, greedy: bool, seed: int, gif: Path | 
     if gif is not None and gif.suffix.lower() != ".gif":
         raise UsageError(f"--gif {gif}: the file name must end in .gif")
     try:
-        module = load_script_for_run(json.loads((run_dir / "args.json").read_text()))
+        module = load_script_for_run(read_json_object(run_dir / "args.json"))
+    except DamagedRunDir as error:
+        raise UsageError(str(error)) from error
     except FileNotFoundError as error:
         raise UsageError(f"{run_dir}: {error}") from error
     script = Path(module.__file__).name
-    args, params = module.load_params(run_dir)
+    try:
+        args, params = module.load_params(run_dir)
+    except module.ConfigError as error:  # a damaged args.json or params.msgpack
+        raise UsageError(str(error)) from error
     env, env_params = module.make_env(args.env_id)
     render = frame_renderer(args.env_id, env_params) if gif is not None else None
     if gif is not None and render is None:

@@ -26,7 +26,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runs import Run, differing_labels, load_script_for_run, metric_table, read_run  # noqa: E402
+from runs import DamagedRunDir, Run, differing_labels, load_script_for_run, metric_table, read_run  # noqa: E402
 from stats import bootstrap_mean_ci_per_row  # noqa: E402
 
 BAND_NAMES = {"std": "±1 std over seeds", "minmax": "min-max over seeds",
@@ -149,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     for run_dir in options.run_dirs:
         try:
             runs.append(read_run(run_dir))
-        except FileNotFoundError as error:
+        except (FileNotFoundError, DamagedRunDir) as error:
             parser.error(str(error))
     if options.debug_grid:
         try:

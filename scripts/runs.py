@@ -158,13 +158,48 @@ class Run(NamedTuple):
     summary: dict[str, Any] | None
 
 
+class DamagedRunDir(ValueError):
+    """A file of a run dir that cannot be read; the tools print it as one `error:` line (exit 2)."""
+
+
+def read_json_object(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as error:  # ValueError: not UTF-8, or not JSON
+        raise DamagedRunDir(f"{path} is unreadable ({error})") from None
+    if not isinstance(data, dict):
+        raise DamagedRunDir(f"{path} is damaged: not a JSON object")
+    return data
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl. A last line without its newline was torn by a kill mid-write
+    and is left out; any other line that is not a row is a DamagedRunDir."""
+    try:
+        text = path.read_text()
+    except (OSError, ValueError) as error:
+        raise DamagedRunDir(f"{path} is unreadable ({error})") from None
+    rows = []
+    for number, line in enumerate(text.split("\n")[:-1], start=1):  # [-1]: after the last newline
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if not (isinstance(row, dict) and {"cycle", "env_steps", "seed"} <= row.keys()):
+            raise DamagedRunDir(f"{path} line {number} is damaged: {line[:40]!r}")
+        rows.append(row)
+    return rows
+
+
 def read_run(run_dir: str | Path) -> Run:
     run_dir = Path(run_dir)
     if not (run_dir / "args.json").is_file() or not (run_dir / "metrics.jsonl").is_file():
         raise FileNotFoundError(f"{run_dir} is not a run dir (needs args.json and metrics.jsonl)")
-    args = json.loads((run_dir / "args.json").read_text())
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    summary = json.loads((run_dir / "summary.json").read_text()) if is_finished(run_dir) else None
+    args = read_json_object(run_dir / "args.json")
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    summary = read_json_object(run_dir / "summary.json") if is_finished(run_dir) else None
     return Run(run_dir, args, rows, summary)
 
 

@@ -1,11 +1,16 @@
-"""Checkpoint / resume and the NaN guard, for both scripts (ppo_mlp.py and ppo_lstm_impala.py,
-the latter with a tiny network)."""
+"""Checkpoint / resume, damaged and unwritable run dirs, and the NaN guard, for both scripts
+(ppo_mlp.py and ppo_lstm_impala.py, the latter with a tiny network).
+
+One uninterrupted run per script (the `finished` fixture) is the reference that killed, damaged
+and resumed copies must equal bit for bit."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,6 +54,47 @@ def start(script: str, *flags: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, str(ROOT / script), *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """finished(script) -> the run dir of one uninterrupted SMALL run of that script (made once;
+    copy it before changing anything)."""
+    run_dirs = {}
+
+    def finished_run(script: str) -> Path:
+        if script not in run_dirs:
+            run_dir = tmp_path_factory.mktemp("finished") / Path(script).stem
+            run = start(script, *SMALL[script], "--run-dir", str(run_dir))
+            assert run.wait(timeout=600) == 0, run.stderr.read()
+            run_dirs[script] = run_dir
+        return run_dirs[script]
+
+    return finished_run
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """The run dir's checkpoints, oldest first."""
+    return sorted(run_dir.glob("checkpoint-*.npz"), key=lambda path: int(path.stem.split("-")[1]))
+
+
+def wait_for_first_checkpoint(run: subprocess.Popen, run_dir: Path) -> None:
+    deadline = time.time() + 600
+    while not checkpoints(run_dir):
+        assert run.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+        time.sleep(0.005)
+
+
+def unfinished_copy(run_dir: Path, to: Path) -> Path:
+    """A copy of a finished run as if killed after its last checkpoint: no params, no summary."""
+    shutil.copytree(run_dir, to)
+    (to / "params.msgpack").unlink()
+    (to / "summary.json").unlink()
+    return to
+
+
+def file_hashes(run_dir: Path) -> dict[str, str]:
+    return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(run_dir.iterdir())}
+
+
 def metrics_without_timing(run_dir: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     for row in rows:
@@ -57,28 +103,26 @@ def metrics_without_timing(run_dir: Path) -> list[dict]:
 
 
 @pytest.mark.parametrize("script", sorted(SMALL))
-def test_resume_after_sigkill_is_bit_identical_to_an_uninterrupted_run(tmp_path, script):
-    flags = SMALL[script]
-    whole = start(script, *flags, "--run-dir", str(tmp_path / "whole"))
-    assert whole.wait(timeout=600) == 0, whole.stderr.read()
-
+def test_resume_after_sigkill_is_bit_identical_to_an_uninterrupted_run(tmp_path, script, finished):
+    whole = finished(script)
     killed_dir = tmp_path / "killed"
-    killed = start(script, *flags, "--run-dir", str(killed_dir))
-    deadline = time.time() + 600
-    while not (killed_dir / "checkpoint.npz").exists():
-        assert killed.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
-        time.sleep(0.005)
+    killed = start(script, *SMALL[script], "--run-dir", str(killed_dir))
+    wait_for_first_checkpoint(killed, killed_dir)
     killed.send_signal(signal.SIGKILL)
     killed.wait()
     assert not (killed_dir / "summary.json").exists(), "killed too late: make the run longer"
+    # A kill mid-write of metrics.jsonl leaves a torn last line: resume drops it and goes on.
+    with open(killed_dir / "metrics.jsonl", "a") as metrics:
+        metrics.write('{"cycle": 9999, "env_steps": 12')
 
     resumed = start(script, "--resume", str(killed_dir))
     out, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err
-    assert "resuming" in out
-    assert (killed_dir / "params.msgpack").read_bytes() == (tmp_path / "whole" / "params.msgpack").read_bytes()
-    assert metrics_without_timing(killed_dir) == metrics_without_timing(tmp_path / "whole")
+    assert "resuming" in out and "warning" not in err
+    assert (killed_dir / "params.msgpack").read_bytes() == (whole / "params.msgpack").read_bytes()
+    assert metrics_without_timing(killed_dir) == metrics_without_timing(whole)
     assert not list(killed_dir.glob("*.tmp"))
+    assert [path.name for path in checkpoints(killed_dir)] == [path.name for path in checkpoints(whole)]
 
     # a finished run cannot be resumed; a changed argument that matters is refused
     again = start(script, "--resume", str(killed_dir))
@@ -89,16 +133,14 @@ def test_resume_after_sigkill_is_bit_identical_to_an_uninterrupted_run(tmp_path,
 def test_resume_refuses_a_changed_argument_and_a_missing_checkpoint(tmp_path, script):
     run_dir = tmp_path / "run"
     run = start(script, *SMALL[script], "--run-dir", str(run_dir))
-    deadline = time.time() + 600
-    while not (run_dir / "checkpoint.npz").exists():
-        assert run.poll() is None and time.time() < deadline
-        time.sleep(0.005)
+    wait_for_first_checkpoint(run, run_dir)
     run.send_signal(signal.SIGKILL)
     run.wait()
     changed = start(script, "--resume", str(run_dir), "--lr", "0.1")
     err = changed.communicate(timeout=120)[1]
     assert changed.returncode == 2 and "--lr" in err and len(err.strip().splitlines()) == 1
-    os.remove(run_dir / "checkpoint.npz")
+    for path in checkpoints(run_dir):
+        os.remove(path)
     missing = start(script, "--resume", str(run_dir))
     err = missing.communicate(timeout=120)[1]
     assert missing.returncode == 2 and "no checkpoint" in err
@@ -114,14 +156,173 @@ def test_non_finite_reward_stops_updates_keeps_good_params_and_exits_non_zero(tm
     failure = summary["failures"]["1"]
     assert failure["non_finite"] == "loss" and failure["cycle"] > 2
     assert f"non-finite loss at cycle {failure['cycle']}" in err
-    # the last good checkpoint is from before the failure, and the params are finite
-    with np.load(run_dir / "checkpoint.npz") as checkpoint:
-        assert int(checkpoint["cycle"]) < failure["cycle"]
-        assert all(np.all(np.isfinite(checkpoint[name])) for name in checkpoint.files if checkpoint[name].dtype.kind == "f")
+    # the last good checkpoints are from before the failure, and the params are finite
     module = importlib.import_module(Path(script).stem)
+    assert checkpoints(run_dir)
+    for path in checkpoints(run_dir):
+        checkpoint = module.read_checkpoint(path)
+        assert int(checkpoint["cycle"]) < failure["cycle"]
+        assert all(np.all(np.isfinite(array)) for array in checkpoint.values() if array.dtype.kind == "f")
     _, params = module.load_params(run_dir)
     assert all(np.all(np.isfinite(np.asarray(leaf))) for leaf in jax.tree.leaves(params))
     # from the failure on, no minibatch is applied
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     after = [row for row in rows if row["cycle"] > failure["cycle"]]
     assert after and all(row["losses/epochs_run"] in (0, None) for row in after)
+
+
+# --- damaged run dirs -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("script", sorted(SMALL))
+def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one_bit_identically(tmp_path, script, finished):
+    whole = finished(script)
+    run_dir = unfinished_copy(whole, tmp_path / "run")
+    older, newest = checkpoints(run_dir)
+    with open(newest, "r+b") as file:
+        file.truncate(500)
+
+    resumed = start(script, "--resume", str(run_dir))
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err
+    warnings = [line for line in err.splitlines() if line.strip()]
+    older_cycle = older.stem.split("-")[1]
+    assert len(warnings) == 1 and warnings[0].startswith("warning:"), err
+    assert str(newest) in warnings[0] and f"cycle {older_cycle}" in warnings[0]
+    assert f"resuming {run_dir} from cycle {older_cycle}" in out
+    assert (run_dir / "params.msgpack").read_bytes() == (whole / "params.msgpack").read_bytes()
+    assert metrics_without_timing(run_dir) == metrics_without_timing(whole)
+    module = importlib.import_module(Path(script).stem)
+    for path, reference in zip(checkpoints(run_dir), checkpoints(whole), strict=True):  # the damaged one rewritten
+        arrays, expected = module.read_checkpoint(path), module.read_checkpoint(reference)
+        assert path.name == reference.name and all(np.array_equal(arrays[key], expected[key]) for key in expected)
+
+
+def call_main(module, argv: list[str]) -> int:
+    """The exit code of the script's main, run in this process."""
+    try:
+        return module.main(argv)
+    except SystemExit as exit_request:
+        return exit_request.code
+
+
+def damage(run_dir: Path, how: str) -> list[str]:
+    """Damages a copy of a run as `how` says; returns what the error line must name."""
+    if how == "every checkpoint truncated":
+        for path in checkpoints(run_dir):
+            with open(path, "r+b") as file:
+                file.truncate(500)
+        return ["no checkpoint validates", *[f"{path} is damaged" for path in checkpoints(run_dir)]]
+    if how == "args.json garbage":
+        (run_dir / "args.json").write_text("{not json")
+        return [f"{run_dir / 'args.json'} is unreadable"]
+    if how == "metrics.jsonl damaged mid-file":
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines(keepends=True)
+        lines[2] = lines[2][: len(lines[2]) // 2] + "\n"
+        (run_dir / "metrics.jsonl").write_text("".join(lines))
+        return [f"{run_dir / 'metrics.jsonl'} line 3 is damaged"]
+    if how == "metrics.jsonl missing":
+        (run_dir / "metrics.jsonl").unlink()
+        return [f"{run_dir / 'metrics.jsonl'} is unreadable"]
+    raise ValueError(how)
+
+
+DAMAGE = ["every checkpoint truncated", "args.json garbage", "metrics.jsonl damaged mid-file", "metrics.jsonl missing"]
+
+
+@pytest.mark.parametrize("script", sorted(SMALL))
+@pytest.mark.parametrize("how", DAMAGE)
+def test_a_damaged_run_dir_gives_one_line_exit_2_and_stays_unchanged(tmp_path, script, how, finished, capsys, monkeypatch):
+    module = importlib.import_module(Path(script).stem)
+    monkeypatch.setattr(module, "make_train", lambda *_: pytest.fail("compiled a damaged run"))
+    run_dir = unfinished_copy(finished(script), tmp_path / "run")
+    must_name = damage(run_dir, how)
+    before = file_hashes(run_dir)
+    capsys.readouterr()
+    assert call_main(module, ["--resume", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.splitlines()) == 1 and all(text in err for text in must_name), err
+    assert file_hashes(run_dir) == before
+
+
+@pytest.mark.parametrize("script, other", [("ppo_mlp.py", "ppo_lstm_impala.py"), ("ppo_lstm_impala.py", "ppo_mlp.py")])
+def test_resuming_the_other_scripts_run_names_its_args_json(tmp_path, script, other, finished, capsys):
+    module = importlib.import_module(Path(script).stem)
+    run_dir = unfinished_copy(finished(other), tmp_path / "run")
+    before = file_hashes(run_dir)
+    capsys.readouterr()
+    assert call_main(module, ["--resume", str(run_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {run_dir / 'args.json'} was written by {other}, not {script} (it has ")
+    assert len(err.splitlines()) == 1 and file_hashes(run_dir) == before
+
+
+@pytest.mark.parametrize("script", sorted(SMALL))
+def test_checkpoint_reader_refuses_every_truncation_and_bit_flip_or_returns_the_exact_arrays(tmp_path, script):
+    """A fuzz of the validation: no damaged file is read as anything but what was saved."""
+    module = importlib.import_module(Path(script).stem)
+    states = {"params": np.arange(40, dtype=np.float32).reshape(8, 5), "step": np.int32(7), "done": np.ones(3, bool)}
+    module.Checkpointer(tmp_path, keep=2)(np.int32(12), states)
+    path = tmp_path / "checkpoint-12.npz"
+    saved = module.read_checkpoint(path)
+    data = path.read_bytes()
+    rng = np.random.default_rng(0)
+    damaged = [data[:length] for length in range(0, len(data), 7)]
+    for position in rng.integers(0, len(data), 600):
+        flipped = bytearray(data)
+        flipped[position] ^= 1 << int(rng.integers(8))
+        damaged.append(bytes(flipped))
+    refused = 0
+    for variant in damaged:
+        path.write_bytes(variant)
+        try:
+            arrays = module.read_checkpoint(path)
+        except ValueError:
+            refused += 1
+            continue
+        assert arrays.keys() == saved.keys() and all(np.array_equal(arrays[key], saved[key]) for key in saved)
+    assert refused > 0.8 * len(damaged)
+
+
+# --- unwritable run dirs (tests run as root: a symlink to /dev/full plays a full disk) ---------
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_disk_while_checkpointing_stops_the_run_with_one_line_and_keeps_the_previous_checkpoint(tmp_path):
+    script = "ppo_mlp.py"
+    module = importlib.import_module(Path(script).stem)
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    os.symlink("/dev/full", run_dir / "checkpoint-20.npz.tmp")  # the second checkpoint's temporary file
+    run = start(script, *SMALL[script], "--checkpoint-every-cycles", "10", "--run-dir", str(run_dir))
+    out, err = run.communicate(timeout=600)
+    assert run.returncode == 1
+    assert err == f"error: cannot write {run_dir / 'checkpoint-20.npz'}: [Errno 28] No space left on device; the run stopped, its earlier checkpoints are intact\n"
+    assert [path.name for path in checkpoints(run_dir)] == ["checkpoint-10.npz"]
+    assert int(module.read_checkpoint(run_dir / "checkpoint-10.npz")["cycle"]) == 10
+    assert not (run_dir / "checkpoint-20.npz.tmp").exists() and not (run_dir / "summary.json").exists()
+
+
+@pytest.mark.parametrize("script", sorted(SMALL))
+def test_checkpoint_and_metrics_write_errors_are_kept_and_leave_earlier_checkpoints_intact(tmp_path, script):
+    module = importlib.import_module(Path(script).stem)
+    checkpointer = module.Checkpointer(tmp_path, keep=2)
+    for cycle in (1, 2, 3):
+        checkpointer(np.int32(cycle), {"params": np.full(4, cycle, np.float32)})
+    assert [path.name for path in checkpoints(tmp_path)] == ["checkpoint-2.npz", "checkpoint-3.npz"]
+    (tmp_path / "checkpoint-4.npz.tmp").mkdir()  # where the temporary file goes
+    with pytest.raises(module.WriteError, match="cannot write .*checkpoint-4.npz: .*Is a directory"):
+        checkpointer(np.int32(4), {"params": np.full(4, 4, np.float32)})
+    assert checkpointer.error is not None
+    assert [int(module.read_checkpoint(path)["cycle"]) for path in checkpoints(tmp_path)] == [2, 3]
+
+    if os.path.exists("/dev/full"):
+        args = module.Args(num_seeds=2)
+        os.symlink("/dev/full", tmp_path / "metrics.jsonl")
+        logger = module.MetricsLogger(args, tmp_path)
+        logger.start(0, None)
+        rows = np.zeros((1, len(module.METRIC_NAMES), 2), np.float32)
+        with pytest.raises(module.WriteError, match="No space left on device"):
+            logger(np.array([1]), 1, rows)
+        assert logger.error is not None
+        logger.close()  # the failed rows were reported; closing does not raise again

@@ -301,3 +301,59 @@ def test_bad_arguments_exit_2_with_one_error_line(arguments, message, tmp_path):
     error_lines = [line for line in result.stderr.splitlines() if "error:" in line]
     assert len(error_lines) == 1 and message in error_lines[0], result.stderr
     assert not (tmp_path / "unused").exists() and not (tmp_path / "x.png").exists()
+
+
+METRIC_ROWS = "".join(
+    json.dumps({"cycle": cycle, "env_steps": 8 * cycle, "seed": seed, "charts/episodic_return": float(cycle)}) + "\n"
+    for cycle in (1, 2) for seed in (1, 2)
+)
+# (tool, file, its damaged content (None: cut to half its size), what the one error line names)
+DAMAGED_FILES = [
+    ("evaluate", "args.json", "{not json", "args.json is unreadable"),
+    ("evaluate", "params.msgpack", None, "params.msgpack is damaged"),
+    ("plot", "args.json", "[1, 2]", "args.json is damaged"),
+    ("plot", "metrics.jsonl", "garbage\n" + METRIC_ROWS, "metrics.jsonl line 1 is damaged"),
+    ("plot", "metrics.jsonl", METRIC_ROWS.replace("\n", "\n{\"cycle\": 3, ", 1), "metrics.jsonl line 2 is damaged"),
+    ("plot", "summary.json", '{"sps": ', "summary.json is unreadable"),
+]
+
+
+@pytest.fixture(scope="module")
+def tool_run_dir(tmp_path_factory) -> Path:
+    """A finished-looking run dir (args.json, params.msgpack, metrics.jsonl, summary.json)."""
+    run_dir = tmp_path_factory.mktemp("tools") / "run"
+    lstm_run_dir(run_dir)
+    (run_dir / "metrics.jsonl").write_text(METRIC_ROWS)
+    (run_dir / "summary.json").write_text(json.dumps({"compile_seconds": 1.0}))
+    return run_dir
+
+
+@pytest.mark.skipif(not (ROOT / "ppo_lstm_impala.py").is_file(), reason="ppo_lstm_impala.py is not in the repo")
+@pytest.mark.parametrize("tool, name, content, message", DAMAGED_FILES, ids=[f"{t}:{n}" for t, n, _, _ in DAMAGED_FILES])
+def test_a_damaged_file_gets_one_error_line_from_evaluate_and_plot(tool, name, content, message, tool_run_dir, tmp_path, capsys):
+    import shutil
+
+    import evaluate
+    import plot
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(tool_run_dir, run_dir)
+    path = run_dir / name
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2]) if content is None else path.write_text(content)
+    arguments = [str(run_dir), "--episodes", "1"] if tool == "evaluate" else [str(run_dir), "--out", str(tmp_path / "x.png")]
+    with pytest.raises(SystemExit) as exit_request:
+        {"evaluate": evaluate, "plot": plot}[tool].main(arguments)
+    err = capsys.readouterr().err
+    assert exit_request.value.code == 2 and "Traceback" not in err
+    error_lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(error_lines) == 1 and f"{path.parent}/{message}" in error_lines[0], err
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_plot_skips_a_torn_last_metrics_line(tmp_path):
+    """A kill mid-write leaves a last line without its newline: it is left out, not an error."""
+    (tmp_path / "args.json").write_text(json.dumps({"num_seeds": 2}))
+    (tmp_path / "metrics.jsonl").write_text(METRIC_ROWS + '{"cycle": 3, "env_st')
+    assert [row["cycle"] for row in read_run(tmp_path).rows] == [1, 1, 2, 2]
+    result = run_script("scripts/plot.py", str(tmp_path), "--out", str(tmp_path / "curves.png"), timeout=120)
+    assert result.returncode == 0 and (tmp_path / "curves.png").stat().st_size > 0, result.stderr

@@ -1,0 +1,98 @@
+"""A fuzz of bad flag values, over the flags of both scripts: each one gives exit code 2 and one
+`error:` line that names the flag, with no traceback, nothing compiled and no run dir.
+
+In-process (the scripts' own `main`), so the whole table takes seconds."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+COMMON = [
+    # (argv, the flag the error line must name)
+    (["--lr", "-0.1"], "--lr"),
+    (["--lr", "0"], "--lr"),
+    (["--lr", "nan"], "--lr"),
+    (["--lr", "inf"], "--lr"),
+    (["--lr", "fast"], "--lr"),
+    (["--num-seeds", "0"], "--num-seeds"),
+    (["--num-seeds", "1.5"], "--num-seeds"),
+    (["--seed", "-1"], "--seed"),
+    (["--env-id", ""], "--env-id"),
+    (["--env-id", "CartPole-v9"], "--env-id"),
+    (["--env-id", "no_such_module:Env"], "--env-id"),
+    (["--env-id", "probe_envs:NoSuchEnv"], "--env-id"),
+    (["--num-total-env-steps", "10"], "--num-total-env-steps"),  # below one cycle
+    (["--num-parallel-envs", "0"], "--num-parallel-envs"),
+    (["--num-env-steps-per-cycle", "-8"], "--num-env-steps-per-cycle"),
+    (["--num-epochs-per-cycle", "0"], "--num-epochs-per-cycle"),
+    (["--num-minibatches-per-epoch", "0"], "--num-minibatches-per-epoch"),
+    (["--num-minibatches-per-epoch", "7"], "--num-minibatches-per-epoch"),  # does not divide the batch
+    (["--gamma", "1.5"], "--gamma"),
+    (["--gamma", "nan"], "--gamma"),
+    (["--gae-lambda", "-0.1"], "--gae-lambda"),
+    (["--clip-eps", "-0.2"], "--clip-eps"),
+    (["--clip-eps", "inf"], "--clip-eps"),
+    (["--ent-coef", "-0.01"], "--ent-coef"),
+    (["--vf-coef", "nan"], "--vf-coef"),
+    (["--vf-coef", "inf"], "--vf-coef"),
+    (["--adam-eps", "0"], "--adam-eps"),
+    (["--max-grad-norm", "0"], "--max-grad-norm"),
+    (["--max-grad-norm", "nan"], "--max-grad-norm"),
+    (["--target-kl", "-0.01"], "--target-kl"),
+    (["--target-kl", "nan"], "--target-kl"),
+    (["--target-kl", "inf"], "--target-kl"),
+    (["--num-devices", "-1"], "--num-devices"),
+    (["--num-devices", "64"], "--num-devices"),  # more than this machine has
+    (["--wandb-mode", "loud"], "--wandb-mode"),
+    (["--log-every-cycles", "-1"], "--log-every-cycles"),
+    (["--checkpoint-every-cycles", "0"], "--checkpoint-every-cycles"),
+    (["--checkpoint-every-cycles", "often"], "--checkpoint-every-cycles"),
+    (["--keep-checkpoints", "0"], "--keep-checkpoints"),
+    (["--run-dir", ""], "--run-dir"),
+    (["--resume", ""], "--resume"),
+    (["--resume", "no/such/run"], "--resume"),
+    (["--no-such-flag", "1"], "--no-such-flag"),
+]
+ONLY = {
+    "ppo_mlp.py": [
+        (["--hidden-sizes"], "--hidden-sizes"),
+        (["--hidden-sizes", "64", "0"], "--hidden-sizes"),
+        (["--activation", "sigmoid"], "--activation"),
+        (["--impala-channels", "16"], "--impala-channels"),  # the other script's flag
+    ],
+    "ppo_lstm_impala.py": [
+        (["--impala-channels"], "--impala-channels"),
+        (["--impala-channels", "16", "0"], "--impala-channels"),
+        (["--torso-size", "0"], "--torso-size"),
+        (["--lstm-size", "-1"], "--lstm-size"),
+        (["--lstm-training", "tbptt"], "--lstm-training"),
+        (["--frame-stack", "0"], "--frame-stack"),
+        (["--num-parallel-envs", "6", "--num-minibatches-per-epoch", "4"], "--num-minibatches-per-epoch"),  # bptt
+        (["--env-id", "CartPole-v1"], "--env-id"),  # vector observations
+        (["--hidden-sizes", "64"], "--hidden-sizes"),  # the other script's flag
+    ],
+}
+CASES = [(script, argv, name) for script in ONLY for argv, name in COMMON + ONLY[script]]
+
+
+def test_the_fuzz_covers_at_least_30_bad_values_of_each_script():
+    assert all(sum(script == case[0] for case in CASES) >= 30 for script in ONLY)
+    print(f"{len(CASES)} bad values")  # the count the README gives
+
+
+@pytest.mark.parametrize("script, argv, name", CASES, ids=[f"{script}:{' '.join(argv)}" for script, argv, _ in CASES])
+def test_a_bad_flag_value_exits_2_with_one_line_that_names_it(script, argv, name, tmp_path, monkeypatch, capsys):
+    module = importlib.import_module(script.removesuffix(".py"))
+    monkeypatch.setattr(module, "make_train", lambda *_: pytest.fail(f"{' '.join(argv)} was accepted"))
+    monkeypatch.chdir(tmp_path)  # the default run dir would go under runs/ here
+    try:
+        code = module.main(argv)
+    except SystemExit as exit_request:
+        code = exit_request.code
+    out, err = capsys.readouterr()
+    assert code == 2, err
+    assert err.startswith("error: ") and len(err.splitlines()) == 1 and name in err, err
+    assert "Traceback" not in out + err
+    assert list(tmp_path.iterdir()) == []
