@@ -110,7 +110,7 @@ class Args:
     run_dir: str | None = None  # output folder; default runs/<env>__<exp-name>__<seed>__<time>
     log_every_cycles: int = 1  # write metrics every this many cycles (the last cycle is always written)
     checkpoint_every_cycles: int | None = None  # save the full training state; default: every 10% of the run
-    keep_checkpoints: int = 2  # keep the newest N checkpoints; --resume falls back to an older one if the newest is damaged
+    keep_checkpoints: int = 2  # keep the newest N checkpoints; --resume falls back past a damaged one
     resume: str | None = None  # continue this run dir from its last checkpoint; only logging flags may change
 
     # --- derived ----------------------------------------------------------------------

@@ -99,7 +99,7 @@ class Args:
     run_dir: str | None = None  # output folder; default runs/<env>__<exp-name>__<seed>__<time>
     log_every_cycles: int = 1  # write metrics every this many cycles (the last cycle is always written)
     checkpoint_every_cycles: int | None = None  # save the full training state; default: every 10% of the run
-    keep_checkpoints: int = 2  # keep the newest N checkpoints; --resume falls back to an older one if the newest is damaged
+    keep_checkpoints: int = 2  # keep the newest N checkpoints; --resume falls back past a damaged one
     resume: str | None = None  # continue this run dir from its last checkpoint; only logging flags may change
 
     # --- derived ----------------------------------------------------------------------
@@ -120,13 +120,10 @@ class Args:
 
 
 class Transition(NamedTuple):
-    """One rollout, time-major: every field is (T, N, ...).
-
-    Convention: `done[t] = terminated[t] | truncated[t]` means obs[t+1] starts a new episode.
-    `final_obs[t]` is the observation the step produced before the automatic reset; when the
-    episode goes on it equals obs[t+1]. Truncation bootstraps from V(final_obs); termination
-    does not.
-    """
+    """One rollout, time-major: every field is (T, N, ...). `done[t] = terminated[t] | truncated[t]`
+    means obs[t+1] starts a new episode. `final_obs[t]` is the observation the step produced before
+    the automatic reset (obs[t+1] when the episode goes on). Truncation bootstraps from V(final_obs);
+    termination does not."""
 
     obs: jax.Array  # (T, N, *obs_shape)
     action: jax.Array  # (T, N)
