@@ -1614,6 +1614,7 @@ def run(args: Args) -> dict[str, Any]:
         "final_episodic_return": float(np.mean(finite)) if finite else None,
         "final_episodic_return_per_seed": returns,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux: KiB
+        "peak_device_memory_mb": peak_device_memory_mb(),
         "failures": failures,
     }
     (run_dir / "params.msgpack").write_bytes(flax.serialization.to_bytes(states.params))
@@ -1633,6 +1634,13 @@ def run(args: Args) -> dict[str, Any]:
             file=sys.stderr,
         )
     return summary
+
+
+def peak_device_memory_mb() -> float | None:
+    """The accelerator's peak memory in use by this process (None where the backend does not tell,
+    as on CPU)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats["peak_bytes_in_use"] / 2**20 if "peak_bytes_in_use" in stats else None
 
 
 def parse_args(argv: list[str] | None = None) -> Args:

@@ -3,11 +3,14 @@
     python scripts/benchmark.py --script ppo_mlp.py                 # every ppo_mlp.py config
     python scripts/benchmark.py --script ppo_mlp.py --configs cartpole --repeats 3
     python scripts/benchmark.py --script ppo_lstm_impala.py --out bench.md
+    python scripts/benchmark.py --script ppo_lstm_impala.py --configs gpu --out gpu.md   # on a GPU
 
 Each run is a separate process (so compile caches and memory do not leak between runs) and
 reports what the script itself wrote in summary.json: env steps/s over all seeds after
-compilation, compile seconds, final return and peak resident memory. Timings are not asserted
-anywhere: this is for the README's performance table.
+compilation, compile seconds, final return, peak resident memory and peak accelerator memory
+(none on CPU), and what one seed's default run (--num-total-env-steps) would take at that rate,
+compile included. `--configs gpu` is the set prepared for a GPU: the LSTM defaults with 1 and 8
+seeds and 1 seed x 2048 envs. Timings are not asserted anywhere: this is for the README.
 """
 
 from __future__ import annotations
@@ -41,8 +44,18 @@ CONFIGS = {
         "breakout-defaults-bptt": ["--num-total-env-steps", "32768"],
         "breakout-defaults-stored": ["--num-total-env-steps", "32768", "--lstm-training", "stored"],
         "breakout-defaults-ff": ["--num-total-env-steps", "32768", "--lstm-size", "0"],
+        "breakout-quarter-bptt": ["--num-total-env-steps", "32768", "--num-parallel-envs", "64"],
+        # GPU: 20 cycles of the defaults (655k env steps) is enough for a steady rate
+        "gpu-defaults": ["--num-total-env-steps", "655360"],
+        "gpu-defaults-8-seeds": ["--num-total-env-steps", "655360", "--num-seeds", "8"],
+        "gpu-1-seed-x-2048-envs": ["--num-total-env-steps", "5242880", "--num-parallel-envs", "2048"],
     },
 }
+GPU_CONFIGS = {
+    "ppo_mlp.py": ["gpu-256-seeds-x-4-envs", "gpu-1-seed-x-2048-envs"],
+    "ppo_lstm_impala.py": ["gpu-defaults", "gpu-defaults-8-seeds", "gpu-1-seed-x-2048-envs"],
+}
+DEFAULT_RUN_ENV_STEPS = {"ppo_mlp.py": 500_000, "ppo_lstm_impala.py": 20_000_000}  # each script's --num-total-env-steps
 CPU_CONFIGS = {
     "ppo_mlp.py": ["cartpole", "cartpole-8-seeds", "cartpole-256x128-8mb-5ep"],
     "ppo_lstm_impala.py": ["breakout-defaults-bptt", "breakout-defaults-stored", "breakout-defaults-ff"],
@@ -68,12 +81,14 @@ def machine_description() -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--script", required=True, choices=sorted(CONFIGS))
-    parser.add_argument("--configs", nargs="+", help="names of configs (default: the CPU set)")
+    parser.add_argument("--configs", nargs="+", help="names of configs, or `gpu` for the GPU set (default: the CPU set)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per config; the table shows the best SPS")
     parser.add_argument("--out", type=Path, help="also write the markdown table here")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="flags passed to every run, after --")
     options = parser.parse_args()
     names = options.configs or CPU_CONFIGS[options.script]
+    if names == ["gpu"]:
+        names = GPU_CONFIGS[options.script]
     unknown = [name for name in names if name not in CONFIGS[options.script]]
     if unknown:
         parser.error(f"--configs: unknown {unknown}; choose from {sorted(CONFIGS[options.script])}")
@@ -84,8 +99,9 @@ def main() -> int:
     lines = [
         f"`{options.script}` on {machine_description()}, {datetime.date.today().isoformat()}",
         "",
-        "| config | flags | env steps/s (all seeds) | compile s | final return | peak RSS MB |",
-        "|---|---|---|---|---|---|",
+        f"| config | flags | env steps/s (all seeds) | compile s | final return | peak RSS MB | peak device MB | "
+        f"one seed's {DEFAULT_RUN_ENV_STEPS[options.script]:,} env steps at this rate |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for name in names:
         flags = CONFIGS[options.script][name] + extra
@@ -94,10 +110,13 @@ def main() -> int:
             with tempfile.TemporaryDirectory() as folder:
                 summaries.append(run_config(options.script, flags, Path(folder) / "run"))
         best = max(summaries, key=lambda summary: summary["sps"])
-        final = best["final_episodic_return"]
+        final, device_mb = best["final_episodic_return"], best.get("peak_device_memory_mb")
+        per_seed_sps = best["sps"] / best["num_seeds"]
+        default_run_hours = (best["compile_seconds"] + DEFAULT_RUN_ENV_STEPS[options.script] / per_seed_sps) / 3600
         lines.append(
             f"| {name} | `{' '.join(flags) or '(defaults)'}` | {best['sps']:,.0f} | {best['compile_seconds']:.1f} | "
-            f"{'-' if final is None else f'{final:.1f}'} | {best['peak_rss_mb']:.0f} |"
+            f"{'-' if final is None else f'{final:.1f}'} | {best['peak_rss_mb']:.0f} | "
+            f"{'-' if device_mb is None else f'{device_mb:,.0f}'} | {default_run_hours:.2f} h |"
         )
         print(lines[-1], flush=True)
     table = "\n".join(lines)

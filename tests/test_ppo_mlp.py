@@ -326,6 +326,7 @@ def test_run_dir_holds_args_metrics_summary_and_loadable_params(tmp_path):
         assert name in summary, name
     assert len(summary["final_episodic_return_per_seed"]) == 2
     assert summary["sps"] > 0
+    assert summary["peak_device_memory_mb"] is None  # CPU: no device memory statistics
 
     loaded_args, params = ppo_mlp.load_params(run_dir)
     assert loaded_args.num_seeds == 2

@@ -15,6 +15,7 @@ def test_benchmark_prints_a_markdown_row_per_config(tmp_path):
     rows = [line for line in out.read_text().splitlines() if line.startswith("| cartpole")]
     assert len(rows) == 2
     assert rows[1].startswith("| cartpole-8-seeds | `--num-seeds 8 --num-total-env-steps 2048`")
+    assert all(row.endswith(" h |") and row.count("|") == 9 for row in rows)  # ... | peak device MB | default run |
 
 
 def test_benchmark_rejects_an_unknown_config():
