@@ -239,7 +239,11 @@ def dense(features: int, gain: float, orthogonal_init: bool) -> nn.Dense:
 
 
 def conv(features: int, orthogonal_init: bool) -> nn.Conv:
-    return nn.Conv(features, CONV_KERNEL, padding="SAME", **init_kwargs(HIDDEN_GAIN, orthogonal_init))
+    on_cpu = jax.default_backend() == "cpu"  # the same parameters either way; see conv3x3_for_cpu
+    return nn.Conv(
+        features, CONV_KERNEL, padding="SAME", conv_general_dilated=conv3x3_for_cpu if on_cpu else None,
+        **init_kwargs(HIDDEN_GAIN, orthogonal_init),
+    )
 
 
 class ResidualBlock(nn.Module):
@@ -1293,7 +1297,55 @@ def load_params(run_dir: str | Path) -> tuple[Args, Any]:
     return args, params
 
 
-# --- CPU settings, applied by run() -------------------------------------------------------
+# --- CPU settings -------------------------------------------------------------------------
+# Why conv3x3_for_cpu: XLA:CPU rewrites convolutions into the one layout its libraries take
+# (NHWC, HWIO) only in the program's entry computation, not inside a loop body; there, the
+# backward convolutions stay in other layouts and run as naive loops, 10-20x slower. Here every
+# convolution, forward and both gradients, is written in that layout already.
+
+NHWC_HWIO = ("NHWC", "HWIO", "NHWC")
+
+
+def nhwc_conv(x: jax.Array, kernel: jax.Array, padding: Any) -> jax.Array:
+    return jax.lax.conv_general_dilated(x, kernel, (1, 1), padding, dimension_numbers=NHWC_HWIO)
+
+
+@jax.custom_vjp
+def nhwc_conv_same(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    return nhwc_conv(x, kernel, "SAME")
+
+
+def nhwc_conv_same_forward(x: jax.Array, kernel: jax.Array):
+    return nhwc_conv(x, kernel, "SAME"), (x, kernel)
+
+
+def nhwc_conv_same_backward(residuals, d_out):
+    x, kernel = residuals
+    d_x = nhwc_conv(d_out, jnp.flip(kernel, (0, 1)).swapaxes(2, 3), "SAME")
+    # the kernel gradient as a convolution with the input channels as batch and the batch as features
+    d_kernel = nhwc_conv(x.transpose(3, 1, 2, 0), d_out.transpose(1, 2, 0, 3), ((1, 1), (1, 1)))
+    return d_x, d_kernel.transpose(1, 2, 0, 3)
+
+
+nhwc_conv_same.defvjp(nhwc_conv_same_forward, nhwc_conv_same_backward)
+
+
+def shifted_matmul_3x3(x: jax.Array, kernel: jax.Array) -> jax.Array:
+    """A 3x3 SAME convolution as 9 shifted slices and one matmul."""
+    height, width = x.shape[1:3]
+    padded = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
+    columns = jnp.concatenate([padded[:, i:i + height, j:j + width] for i in range(3) for j in range(3)], axis=-1)
+    return columns @ kernel.reshape(-1, kernel.shape[-1])
+
+
+def conv3x3_for_cpu(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
+                    dimension_numbers=None, feature_group_count=1, precision=None) -> jax.Array:
+    """nn.Conv's convolution on CPU, for its 3x3 stride-1 SAME convs: fast inside loops (see
+    above). At 2x2 or less XLA swaps the operands into a naive form: a matmul then."""
+    assert rhs.shape[:2] == (3, 3) and tuple(window_strides) == (1, 1) and feature_group_count == 1
+    return (nhwc_conv_same if min(lhs.shape[1:3]) > 2 else shifted_matmul_3x3)(lhs, rhs)
+
+
 
 
 def avoid_cpu_qr_deadlock() -> None:

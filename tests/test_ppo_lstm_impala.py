@@ -478,3 +478,25 @@ def test_a_gru_copy_trains(tmp_path, lstm_training):
     params = (run_dir / "params.msgpack").read_bytes()
     assert b"GRUCell" in params and b"OptimizedLSTMCell" not in params
     assert all(row["losses/value_loss"] is not None for row in read_metrics(run_dir))
+
+
+@pytest.mark.parametrize("shape", [(3, 10, 10, 4), (3, 5, 5, 16), (3, 2, 2, 8), (3, 1, 1, 32)])
+def test_the_cpu_convolution_equals_xla_s_inside_a_scan(shape):
+    """conv3x3_for_cpu (what nn.Conv uses on CPU) against lax.conv_general_dilated: the same value,
+    input gradient and kernel gradient, inside a lax.scan as the update runs it."""
+    x = jax.random.normal(jax.random.key(0), shape)
+    kernel = jax.random.normal(jax.random.key(1), (3, 3, shape[-1], 6))
+
+    def in_a_scan(convolution):
+        def loss(x, kernel):
+            return (jnp.tanh(convolution(x, kernel, (1, 1), "SAME")) ** 2).sum()
+
+        def body(carry, _):
+            return carry, jax.value_and_grad(loss, argnums=(0, 1))(x, kernel)
+
+        return jax.jit(lambda: jax.lax.scan(body, 0.0, None, length=2)[1])()
+
+    xla = in_a_scan(lambda x, k, s, p: jax.lax.conv_general_dilated(x, k, s, p, dimension_numbers=ppo.NHWC_HWIO))
+    ours = in_a_scan(ppo.conv3x3_for_cpu)
+    for expected, actual in zip(jax.tree.leaves(xla), jax.tree.leaves(ours)):
+        np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4)
