@@ -1180,7 +1180,7 @@ class MetricsLogger:
         self.last_time, self.last_cycle = now, cycle
 
         # Plain Python floats, NaN -> None: this runs while the device waits, so it avoids
-        # per-value NumPy calls (they made the callback ~1.5 ms, a third of a CartPole cycle).
+        # per-value NumPy calls (README: Performance).
         rows = np.asarray(values, dtype=np.float64)[: len(cycles)].transpose(0, 2, 1).tolist()  # (rows, seeds, metrics)
         lines = []
         for row_cycle, row in zip(cycles, rows):
@@ -1300,7 +1300,7 @@ def load_params(run_dir: str | Path) -> tuple[Args, Any]:
 # --- CPU settings -------------------------------------------------------------------------
 # Why conv3x3_for_cpu: XLA:CPU rewrites convolutions into the one layout its libraries take
 # (NHWC, HWIO) only in the program's entry computation, not inside a loop body; there, the
-# backward convolutions stay in other layouts and run as naive loops, 10-20x slower. Here every
+# backward convolutions stay in other layouts and run as naive loops (README: Performance). Here every
 # convolution, forward and both gradients, is written in that layout already.
 
 NHWC_HWIO = ("NHWC", "HWIO", "NHWC")
@@ -1361,7 +1361,7 @@ def avoid_cpu_qr_deadlock() -> None:
 def use_unrolled_threefry_on_cpu() -> None:
     """JAX lowers its threefry PRNG to a rolled 5-iteration loop on CPU (to save compile time),
     and every env step draws random numbers inside our sequential rollout loop. The unrolled
-    lowering that GPUs use gives the same bits and made a CartPole run 25% faster here. This
+    lowering that GPUs use gives the same bits and runs faster (README: Performance). This
     touches a private JAX API, so it is skipped silently when that API moves."""
     try:
         from jax._src.interpreters import mlir
