@@ -848,11 +848,19 @@ def flag(field_name: str) -> str:
 
 
 # --- environment loading ------------------------------------------------------------------
+# Every env keeps gymnax's contract: step(key, state, action, params) -> (obs, state, reward,
+# terminated, truncated, info) resets a finished episode itself and puts the observation from
+# before that reset in info["final_observation"]. Craftax and XLand-MiniGrid are adapted to it
+# below; their packages (requirements-envs.txt) are imported only when one of their ids is used.
+
+CRAFTAX_IDS = ("Craftax-Classic-Symbolic-v1", "Craftax-Classic-Pixels-v1", "Craftax-Symbolic-v1", "Craftax-Pixels-v1")
+XMINIGRID_PREFIXES = ("MiniGrid-", "XLand-MiniGrid-")  # every id in xminigrid.registered_environments()
 
 
 def make_env(env_id: str) -> tuple[Any, Any]:
-    """`env_id` is a gymnax id or `module.path:Name` (an Environment subclass, or a
-    zero-argument factory returning (env, env_params))."""
+    """`env_id` is a gymnax id, a Craftax id (CRAFTAX_IDS), an XLand-MiniGrid id, or
+    `module.path:Name` (an Environment subclass, or a zero-argument factory returning
+    (env, env_params))."""
     if ":" in env_id:
         module_name, _, attr_name = env_id.partition(":")
         try:
@@ -872,11 +880,13 @@ def make_env(env_id: str) -> tuple[Any, Any]:
             env, env_params = made
         else:
             raise ConfigError(f"--env-id {env_id}: {attr_name!r} is neither an Environment class nor a factory")
+    elif env_id in CRAFTAX_IDS:
+        env, env_params = craftax_env(env_id)
+    elif env_id.startswith(XMINIGRID_PREFIXES):
+        env, env_params = xminigrid_env(env_id)
     else:
         if env_id not in gymnax.registered_envs:
-            close = difflib.get_close_matches(env_id, gymnax.registered_envs, n=3, cutoff=0.5)
-            hint = f"; did you mean {', '.join(close)}?" if close else "; see gymnax.registered_envs"
-            raise ConfigError(f"--env-id {env_id} is not a gymnax environment{hint}")
+            raise ConfigError(f"--env-id {env_id} is not a gymnax, Craftax or XLand-MiniGrid environment{did_you_mean(env_id)}")
         env, env_params = gymnax.make(env_id)
     action_space = env.action_space(env_params)
     if not isinstance(action_space, spaces.Discrete):
@@ -891,6 +901,135 @@ def make_env(env_id: str) -> tuple[Any, Any]:
             f"needs (H, W, C) images, use ppo_mlp.py"
         )
     return env, env_params
+
+
+def did_you_mean(env_id: str) -> str:
+    """Close names among every suite's ids (XLand-MiniGrid's only when it is installed)."""
+    try:
+        import xminigrid
+
+        xminigrid_ids = xminigrid.registered_environments()
+    except ImportError:
+        xminigrid_ids = ()
+    close = difflib.get_close_matches(env_id, [*gymnax.registered_envs, *CRAFTAX_IDS, *xminigrid_ids], n=3, cutoff=0.5)
+    if close:
+        return f"; did you mean {', '.join(close)}?"
+    return "; see gymnax.registered_envs, CRAFTAX_IDS and xminigrid.registered_environments()"
+
+
+def import_suite(module_name: str, env_id: str) -> Any:
+    """The suite's package, imported only now; one line saying how to install it if it is missing."""
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as error:
+        package = module_name.partition(".")[0]
+        raise ConfigError(
+            f"--env-id {env_id} needs the {package} package ({error}); install it with: pip install -r requirements-envs.txt"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class SuiteEnv:
+    """An env of another suite behind the gymnax interface above: reset(key, params) -> (obs,
+    state) and step(key, state, action, params), which resets the episode itself."""
+
+    reset: Callable
+    step: Callable
+    num_actions: int
+    obs_shape: tuple[int, ...]
+
+    def action_space(self, params: Any = None) -> spaces.Discrete:
+        return spaces.Discrete(self.num_actions)
+
+    def observation_space(self, params: Any = None) -> spaces.Box:
+        return spaces.Box(0.0, 1.0, self.obs_shape, jnp.float32)
+
+
+def where_done(done: jax.Array, reset: Any, stepped: Any) -> Any:
+    """The reset (obs, state) where the episode is done, else the stepped one (one env)."""
+    return jax.tree.map(lambda new, old: jax.lax.select(done, new, old), reset, stepped)
+
+
+ACHIEVEMENT_PREFIX = "achievement_"  # Craftax's achievements in info: achievement_<name>, 1 or 0
+
+
+def craftax_env(env_id: str) -> tuple[SuiteEnv, Any]:
+    """Craftax (Matthews et al. 2024), made without its auto-reset and reset here. Its `done`
+    includes the time limit (params.max_timesteps: 10,000 steps in Classic, 100,000 in Craftax):
+    here game over (death, lava, the final boss beaten) terminates and the limit truncates.
+    A finished episode restarts in a world generated from its own key: exact, but under vmap XLA
+    generates a world for every env at every step (slow on CPU; see the README)."""
+    craftax = import_suite("craftax.craftax_env", env_id).make_craftax_env_from_name(env_id, auto_reset=False)
+    env_params = craftax.default_params
+
+    def step(key, state, action, params):
+        step_key, reset_key = jax.random.split(key)
+        final_obs, final_state, reward, done, craftax_info = craftax.step_env(step_key, state, action, params)
+        terminated = craftax.is_terminal(final_state, params.replace(max_timesteps=jnp.iinfo(jnp.int32).max))  # no limit
+        truncated = done & ~terminated
+        obs, state = where_done(done, craftax.reset_env(reset_key, params), (final_obs, final_state))
+        info = {  # Craftax reports 100 x achieved at episode ends (0 elsewhere): here 1 or 0
+            ACHIEVEMENT_PREFIX + name.partition("/")[2]: value / 100.0
+            for name, value in craftax_info.items() if name.startswith("Achievements/")
+        }
+        info.update(discount=1.0 - terminated.astype(jnp.float32), terminated=terminated, truncated=truncated,
+                    final_observation=final_obs)
+        return obs, state, reward, terminated, truncated, info
+
+    obs_shape = tuple(craftax.observation_space(env_params).shape)
+    return SuiteEnv(craftax.reset_env, step, craftax.num_actions, obs_shape), env_params
+
+
+XMINIGRID_DIRECTIONS = 4  # the agent faces one of 4 directions
+
+
+def xminigrid_env(env_id: str) -> tuple[SuiteEnv, Any]:
+    """XLand-MiniGrid (Nikulin et al. 2024), whose TimeStep API does not reset, reset here. An
+    episode terminates when it is won or lost (LAST with discount 0) and is truncated at
+    params.max_steps (LAST with discount 1). Observation: the (V, V, 2) tile and colour ids of the
+    agent's view as one-hots, and its direction as a one-hot broadcast over the view: float32
+    (V, V, 13 + 12 + 4). info["success"]: 1 for a won episode (terminated with reward > 0)."""
+    xminigrid = import_suite("xminigrid", env_id)
+    if env_id not in xminigrid.registered_environments():
+        raise ConfigError(f"--env-id {env_id} is not an XLand-MiniGrid environment{did_you_mean(env_id)}")
+    if env_id.startswith("XLand-MiniGrid-"):
+        raise ConfigError(
+            f"--env-id {env_id} needs a ruleset (its task: without one it has no goal), which xminigrid only gets by "
+            "downloading a benchmark (xminigrid.load_benchmark); this script downloads nothing. Use a MiniGrid-* id"
+        )
+    from xminigrid.core.constants import NUM_COLORS, NUM_TILES
+
+    minigrid, env_params = xminigrid.make(env_id)
+
+    def encode(timestep) -> jax.Array:
+        ids = timestep.observation  # (V, V, 2) uint8: tile id, colour id
+        direction = jax.nn.one_hot(timestep.state.agent.direction, XMINIGRID_DIRECTIONS)
+        return jnp.concatenate(
+            [jax.nn.one_hot(ids[..., 0], NUM_TILES), jax.nn.one_hot(ids[..., 1], NUM_COLORS),
+             jnp.broadcast_to(direction, (*ids.shape[:2], XMINIGRID_DIRECTIONS))],
+            axis=-1,
+        )
+
+    def reset(key, params):
+        timestep = minigrid.reset(params, key)
+        return encode(timestep), timestep
+
+    def step(key, timestep, action, params):  # xminigrid's step is deterministic: the key is the reset's
+        final = minigrid.step(params, timestep, action)
+        done = final.last()
+        terminated = done & (final.discount == 0.0)
+        truncated = done & ~terminated
+        timestep = where_done(done, minigrid.reset(params, key), final)
+        info = {
+            "success": (terminated & (final.reward > 0.0)).astype(jnp.float32),
+            "discount": final.discount, "terminated": terminated, "truncated": truncated,
+            "final_observation": encode(final),
+        }
+        return encode(timestep), timestep, final.reward, terminated, truncated, info
+
+    view = minigrid.observation_shape(env_params)[0]
+    obs_shape = (view, view, NUM_TILES + NUM_COLORS + XMINIGRID_DIRECTIONS)
+    return SuiteEnv(reset, step, minigrid.num_actions(env_params), obs_shape), env_params
 
 
 # --- devices and seeds ----------------------------------------------------------------------
