@@ -267,10 +267,11 @@ def init_params(network: ActorCritic, key: jax.Array, args: Args, obs_shape: tup
 
 def collect_rollout(
     params: Any, env_carry: EnvCarry, key: jax.Array, network: ActorCritic, env: Any, env_params: Any,
-    num_steps: int, mask_actions: bool,
-) -> tuple[EnvCarry, Transition, jax.Array, jax.Array]:
+    num_steps: int, mask_actions: bool, info_names: tuple[str, ...] = (),
+) -> tuple[EnvCarry, Transition, dict[str, jax.Array]]:
     """Steps N envs for T steps with the current policy. Returns the new carry, the transitions,
-    and per step the return and length of episodes that ended there (NaN where none ended)."""
+    and `finished`: per step (T, N) the return, the length and the env's own `info` metrics
+    (info_names, as env/<name>) of the episodes that ended there, NaN where none ended."""
     num_envs = env_carry.obs.shape[0]
     num_actions = env.action_space(env_params).n
     gumbel_key, env_key = jax.random.split(key)
@@ -287,17 +288,18 @@ def collect_rollout(
         done = jnp.logical_or(terminated, truncated)
         episode_return = carry.episode_return + reward
         episode_length = carry.episode_length + 1
-        finished_return = jnp.where(done, episode_return, jnp.nan)
-        finished_length = jnp.where(done, episode_length, jnp.nan)
+        episode_end = {"charts/episodic_return": episode_return, "charts/episodic_length": episode_length}
+        episode_end.update({f"env/{name}": info[name] for name in info_names})
+        finished = {name: jnp.where(done, value.astype(jnp.float32), jnp.nan) for name, value in episode_end.items()}
         new_carry = EnvCarry(env_state, next_obs, jnp.where(done, 0.0, episode_return), jnp.where(done, 0, episode_length))
         transition = Transition(
             obs=carry.obs, action=action, reward=reward.astype(jnp.float32), terminated=terminated, truncated=truncated,
             final_obs=info["final_observation"], action_mask=action_mask,
         )
-        return new_carry, (transition, finished_return, finished_length)
+        return new_carry, (transition, finished)
 
-    env_carry, (transitions, finished_return, finished_length) = jax.lax.scan(step, env_carry, (gumbel, env_keys))
-    return env_carry, transitions, finished_return, finished_length
+    env_carry, (transitions, finished) = jax.lax.scan(step, env_carry, (gumbel, env_keys))
+    return env_carry, transitions, finished
 
 
 def compute_gae(
@@ -449,7 +451,8 @@ def update_cycle(
     return carry.params, carry.opt_state, metrics, carry.non_finite
 
 
-# Everything logged per cycle (charts/SPS is added on the host).
+# Everything logged per cycle (charts/SPS is added on the host). A run also logs its env's own
+# episode metrics, env/<name> (`env_metric_names`, below the marker): run_metric_names().
 METRIC_NAMES = (
     "charts/episodic_return", "charts/episodic_length", "charts/learning_rate", "charts/clip_eps",
     *MINIBATCH_METRIC_NAMES, "losses/explained_variance", "losses/epochs_run",
@@ -464,18 +467,19 @@ def reset_envs(key: jax.Array, env: Any, env_params: Any, num_envs: int) -> EnvC
 
 def train_cycle(
     state: TrainState, network: ActorCritic, optimizer: optax.GradientTransformation, env: Any, env_params: Any,
-    args: Args, axis_name: str | None = None,
+    args: Args, axis_name: str | None = None, info_names: tuple[str, ...] = (),
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One cycle of one seed: a rollout, GAE, then the update epochs. Returns the new state and
-    the cycle's metrics (METRIC_NAMES). Under shard_map it sees this device's envs."""
+    the cycle's metrics (run_metric_names). Under shard_map it sees this device's envs."""
     key, reset_key, rollout_key, update_key = jax.random.split(state.key, 4)
     reset_key, rollout_key, update_key = (per_device(k, axis_name) for k in (reset_key, rollout_key, update_key))
     env_carry = state.env
     if args.reset_envs_each_cycle:
         env_carry = reset_envs(reset_key, env, env_params, env_carry.obs.shape[0])
 
-    env_carry, transitions, finished_return, finished_length = collect_rollout(
-        state.params, env_carry, rollout_key, network, env, env_params, args.num_env_steps_per_cycle, uses_action_mask(args, env)
+    env_carry, transitions, finished = collect_rollout(
+        state.params, env_carry, rollout_key, network, env, env_params, args.num_env_steps_per_cycle, uses_action_mask(args, env),
+        info_names=info_names,
     )
 
     # One batched forward pass over the whole rollout for log-probs and values, instead of one
@@ -500,8 +504,9 @@ def train_cycle(
     )
 
     last_step = (state.cycle + 1) * args.num_epochs_per_cycle * args.num_minibatches_per_epoch - 1
-    metrics["charts/episodic_return"] = nanmean_or_nan(finished_return, axis_name)
-    metrics["charts/episodic_length"] = nanmean_or_nan(finished_length, axis_name)
+    for name, values in finished.items():  # return, length, env/<name>: over the episodes that ended
+        metrics[name] = nanmean_or_nan(values, axis_name)
+    metrics.update(craftax_score(metrics))  # env/score, from the env/achievement_* rates (Craftax only)
     metrics["charts/learning_rate"] = jnp.float32(annealed(args.lr, args.anneal_lr, args.num_gradient_steps)(last_step))
     metrics["charts/clip_eps"] = jnp.float32(annealed(args.clip_eps, args.anneal_clip_eps, args.num_gradient_steps)(last_step))
     metrics["losses/explained_variance"] = explained_variance(batch.value, batch.target, axis_name)
@@ -516,6 +521,8 @@ def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | 
     network = make_network(args, env.action_space(env_params).n)
     optimizer = make_optimizer(args)
     obs_shape = env.observation_space(env_params).shape
+    info_names = env_info_names(env, env_params)  # the env's own episode metrics, logged as env/<name>
+    metric_names = METRIC_NAMES + env_metric_names(info_names)
 
     @jax.jit
     def init_one(key: jax.Array) -> TrainState:
@@ -529,18 +536,18 @@ def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | 
         return init_one(jax.random.key(seed))
 
     axis_name = None if mesh is None else DEVICE_AXIS
-    one_seed = lambda state: train_cycle(state, network, optimizer, env, env_params, args, axis_name)  # noqa: E731
-    every_seed = skip_when_every_seed_failed(vmap_over_seeds(one_seed, args.num_seeds))
+    one_seed = lambda state: train_cycle(state, network, optimizer, env, env_params, args, axis_name, info_names)  # noqa: E731
+    every_seed = skip_when_every_seed_failed(vmap_over_seeds(one_seed, args.num_seeds), metric_names)
     one_cycle = every_seed if mesh is None else shard_over_devices(every_seed, mesh)
 
     def train(states: TrainState, log_fn: Callable | None = None, checkpoint_fn: Callable | None = None, start_cycle: int = 0):
         def cycle_body(carry, _):
             states, outbox = carry
             states, metrics = one_cycle(states)
-            outbox = send_to_host(outbox, states, metrics, args, log_fn, checkpoint_fn, ordered=mesh is None)
+            outbox = send_to_host(outbox, states, metrics, metric_names, args, log_fn, checkpoint_fn, ordered=mesh is None)
             return (states, outbox), metrics
 
-        outbox = empty_outbox(args, num_seeds=states.cycle.shape[0])
+        outbox = empty_outbox(args, num_seeds=states.cycle.shape[0], num_metrics=len(metric_names))
         (states, _), metrics = jax.lax.scan(cycle_body, (states, outbox), None, length=args.num_cycles - start_cycle)
         return states, metrics
 
@@ -786,6 +793,58 @@ def xminigrid_env(env_id: str) -> tuple[SuiteEnv, Any]:
     return SuiteEnv(reset, step, minigrid.num_actions(env_params), obs_shape), env_params
 
 
+# --- env info metrics ---------------------------------------------------------------------
+# An env's own episode metrics (Craftax's achievements, XLand-MiniGrid's success) are the
+# numeric scalar entries of its step's `info`. Each is logged as env/<name>: the mean of its
+# values at the steps where episodes ended in the cycle (NaN when none did).
+
+STEP_INFO_KEYS = ("final_observation", "discount", "terminated", "truncated")  # per step, not episode metrics
+CRAFTAX_SCORE = "env/score"
+
+
+def env_info_names(env: Any, env_params: Any) -> tuple[str, ...]:
+    """The names of the numeric scalar entries of one step's info, besides STEP_INFO_KEYS; from
+    jax.eval_shape of a step (traced, nothing computed). They shape the metrics rows, so they
+    must be known before the training loop is traced."""
+    key = jax.random.key(0)
+    _, state = jax.eval_shape(env.reset, key, env_params)
+    info = jax.eval_shape(env.step, key, state, jax.ShapeDtypeStruct((), jnp.int32), env_params)[5]
+    return tuple(sorted(
+        name for name, value in info.items()
+        if name not in STEP_INFO_KEYS and isinstance(value, jax.ShapeDtypeStruct) and value.shape == ()
+        and (jnp.issubdtype(value.dtype, jnp.number) or value.dtype == jnp.bool_)
+    ))
+
+
+def env_metric_names(info_names: tuple[str, ...]) -> tuple[str, ...]:
+    names = tuple(f"env/{name}" for name in info_names)
+    has_achievements = any(name.startswith(ACHIEVEMENT_PREFIX) for name in info_names)
+    return names + ((CRAFTAX_SCORE,) if has_achievements else ())
+
+
+def run_metric_names(env: Any, env_params: Any) -> tuple[str, ...]:
+    """Everything a run logs per cycle, in the order of the metrics rows: METRIC_NAMES, then
+    the env's own metrics."""
+    return METRIC_NAMES + env_metric_names(env_info_names(env, env_params))
+
+
+def craftax_score(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The Craftax score (Crafter's, Hafner 2021; Matthews et al. 2024): the geometric mean of
+    the achievements' success rates in percent, offset by 1, exp(mean(log(1 + 100 rate))) - 1,
+    from 0 to 100; here over the episodes that ended in the cycle. Empty without achievements."""
+    rates = [value for name, value in metrics.items() if name.startswith(f"env/{ACHIEVEMENT_PREFIX}")]
+    if not rates:
+        return {}
+    return {CRAFTAX_SCORE: jnp.exp(jnp.mean(jnp.log1p(100.0 * jnp.stack(rates)))) - 1.0}
+
+
+def console_env_metrics(metric_names: tuple[str, ...]) -> list[str]:
+    """The env metrics on the console line: the score when there is one, else every env/<name>."""
+    if CRAFTAX_SCORE in metric_names:
+        return [CRAFTAX_SCORE]
+    return [name for name in metric_names if name.startswith("env/")]
+
+
 # --- devices and seeds ----------------------------------------------------------------------
 
 DEVICE_AXIS = "devices"  # the shard_map axis that splits the parallel envs across devices
@@ -906,12 +965,12 @@ def guard_non_finite(state: TrainState, params: Any, opt_state: Any, non_finite:
     )
 
 
-def skip_when_every_seed_failed(cycle_of_every_seed: Callable) -> Callable:
+def skip_when_every_seed_failed(cycle_of_every_seed: Callable, metric_names: tuple[str, ...]) -> Callable:
     """Once every seed has failed, a cycle only counts itself and logs NaN (costs nothing)."""
 
     def skip(states: TrainState) -> tuple[TrainState, dict[str, jax.Array]]:
         nan = jnp.full(states.cycle.shape, jnp.nan)
-        return states._replace(cycle=states.cycle + 1), {name: nan for name in METRIC_NAMES}
+        return states._replace(cycle=states.cycle + 1), {name: nan for name in metric_names}
 
     def cycle(states: TrainState) -> tuple[TrainState, dict[str, jax.Array]]:
         return jax.lax.cond(jnp.all(states.non_finite > 0), skip, cycle_of_every_seed, states)
@@ -951,15 +1010,15 @@ class Outbox(NamedTuple):
     """Metrics rows waiting inside the jit for the next host callback (one callback costs more
     than a small cycle on CPU)."""
 
-    rows: jax.Array  # (rows_per_callback, len(METRIC_NAMES), seeds)
+    rows: jax.Array  # (rows_per_callback, metrics (run_metric_names), seeds)
     row_cycles: jax.Array  # (rows_per_callback,) int
     num_rows: jax.Array  # rows filled
 
 
-def empty_outbox(args: Args, num_seeds: int) -> Outbox:
+def empty_outbox(args: Args, num_seeds: int, num_metrics: int) -> Outbox:
     rows_per_callback = max(1, LOG_ROWS_ENV_STEPS // args.batch_size)
     return Outbox(
-        rows=jnp.zeros((rows_per_callback, len(METRIC_NAMES), num_seeds), jnp.float32),
+        rows=jnp.zeros((rows_per_callback, num_metrics, num_seeds), jnp.float32),
         row_cycles=jnp.zeros(rows_per_callback, jnp.int32),
         num_rows=jnp.int32(0),
     )
@@ -969,6 +1028,7 @@ def send_to_host(
     outbox: Outbox,
     states: TrainState,
     metrics: dict[str, jax.Array],
+    metric_names: tuple[str, ...],
     args: Args,
     log_fn: Callable | None,
     checkpoint_fn: Callable | None,
@@ -985,7 +1045,7 @@ def send_to_host(
     if log_fn is not None:
         last = cycle == args.num_cycles
         should_log = (cycle % args.log_every_cycles == 0) | last
-        values = jnp.stack([metrics[name] for name in METRIC_NAMES])  # (metrics, seeds)
+        values = jnp.stack([metrics[name] for name in metric_names])  # (metrics, seeds)
         outbox = Outbox(
             rows=jnp.where(should_log, outbox.rows.at[outbox.num_rows].set(values), outbox.rows),
             row_cycles=jnp.where(should_log, outbox.row_cycles.at[outbox.num_rows].set(cycle), outbox.row_cycles),
@@ -1023,8 +1083,9 @@ def key_data_or_array(leaf: jax.Array) -> jax.Array:
 class MetricsLogger:
     """Host side of the metrics callback: metrics.jsonl, a console line and wandb."""
 
-    def __init__(self, args: Args, run_dir: Path):
+    def __init__(self, args: Args, run_dir: Path, metric_names: tuple[str, ...] = METRIC_NAMES):
         self.args = args
+        self.metric_names = metric_names  # the order of the rows' values: run_metric_names
         self.seeds = [args.seed + i for i in range(args.num_seeds)]
         self.path = run_dir / "metrics.jsonl"
         self.file: Any = None
@@ -1041,7 +1102,7 @@ class MetricsLogger:
         self.last_cycle = cycle
 
     def __call__(self, cycles: Any, num_rows: Any, values: Any) -> None:
-        """The first num_rows of cycles (rows,) and values (rows, len(METRIC_NAMES), num_seeds)."""
+        """The first num_rows of cycles (rows,) and values (rows, len(metric_names), num_seeds)."""
         if jax.process_index() != 0:  # multi-host: one writer
             return
         now = time.perf_counter()
@@ -1059,7 +1120,7 @@ class MetricsLogger:
         for row_cycle, row in zip(cycles, rows):
             for seed, seed_values in zip(self.seeds, row):
                 line = {"cycle": row_cycle, "env_steps": row_cycle * self.args.batch_size, "seed": seed, "charts/SPS": sps}
-                line.update((name, value if math.isfinite(value) else None) for name, value in zip(METRIC_NAMES, seed_values))
+                line.update((name, value if math.isfinite(value) else None) for name, value in zip(self.metric_names, seed_values))
                 lines.append(json.dumps(line))
         self.file.write("\n".join(lines) + "\n")
         self.file.flush()
@@ -1069,7 +1130,7 @@ class MetricsLogger:
                 log["charts/SPS"] = sps
                 if self.args.num_seeds > 1:
                     for seed, seed_values in zip(self.seeds, row):
-                        log.update({f"seed_{seed}/{name}": value for name, value in zip(METRIC_NAMES, seed_values) if math.isfinite(value)})
+                        log.update({f"seed_{seed}/{name}": value for name, value in zip(self.metric_names, seed_values) if math.isfinite(value)})
                 self.wandb_run.log(log, step=row_cycle * self.args.batch_size)
 
         if now - self.last_print >= 1.0 or cycle == self.args.num_cycles:
@@ -1080,15 +1141,15 @@ class MetricsLogger:
                 f"cycle {cycle}/{self.args.num_cycles} | env steps {env_steps:,} | SPS {sps:,.0f} | "
                 f"return {'-' if episodic_return is None else f'{episodic_return:.2f}'} | "
                 f"policy loss {fmt(mean['losses/policy_loss'])} | value loss {fmt(mean['losses/value_loss'])} | "
-                f"entropy {fmt(mean['losses/entropy'])} | approxkl3 {fmt(mean['losses/actor_approxkl3'])}",
+                f"entropy {fmt(mean['losses/entropy'])} | approxkl3 {fmt(mean['losses/actor_approxkl3'])}"
+                + "".join(f" | {name} {fmt(mean[name])}" for name in console_env_metrics(self.metric_names)),
                 flush=True,
             )
 
-    @staticmethod
-    def seed_means(row: list[list[float]]) -> dict[str, float | None]:
+    def seed_means(self, row: list[list[float]]) -> dict[str, float | None]:
         """Each metric's mean over the seeds where it is finite; None where it is nowhere."""
         columns = [[value for value in column if math.isfinite(value)] for column in zip(*row)]
-        return {name: sum(column) / len(column) if column else None for name, column in zip(METRIC_NAMES, columns)}
+        return {name: sum(column) / len(column) if column else None for name, column in zip(self.metric_names, columns)}
 
     def close(self) -> None:
         self.file.close()
@@ -1274,7 +1335,7 @@ def run(args: Args) -> dict[str, Any]:
     start_cycle = 0
     if args.resume:
         states, start_cycle = checkpointer.load(states)
-    logger = MetricsLogger(args, run_dir)
+    logger = MetricsLogger(args, run_dir, run_metric_names(env, env_params))
     states = place_on_mesh(states, mesh)
     train_jit = jax.jit(lambda states: train(states, logger, checkpointer, start_cycle), donate_argnums=0)
     compiled = train_jit.lower(states).compile()
