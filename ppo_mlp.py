@@ -41,8 +41,6 @@ from gymnax.environments import spaces
 from jax.sharding import PartitionSpec as P
 
 # --- Args ----------------------------------------------------------------------------------
-
-
 @dataclasses.dataclass(frozen=True)
 class Args:
     """PPO for gymnax environments with vector observations and discrete actions."""
@@ -117,8 +115,6 @@ class Args:
 
 
 # --- Containers ----------------------------------------------------------------------------
-
-
 class Transition(NamedTuple):
     """One rollout, time-major: every field is (T, N, ...). `done[t] = terminated[t] | truncated[t]`
     means obs[t+1] starts a new episode. `final_obs[t]` is the observation the step produced before
@@ -263,14 +259,13 @@ def init_params(network: ActorCritic, key: jax.Array, args: Args, obs_shape: tup
 # --- PPO, in run order: rollout, GAE, loss, minibatch update, epochs, cycle, make_train -------
 # To hack: the network above, the loss in loss_fn, the optimizer in make_optimizer, the logged
 # metrics at the end of train_cycle, the environment in make_env (below the marker).
-
-
 def collect_rollout(
     params: Any, env_carry: EnvCarry, key: jax.Array, network: ActorCritic, env: Any, env_params: Any,
-    num_steps: int, mask_actions: bool,
-) -> tuple[EnvCarry, Transition, jax.Array, jax.Array]:
+    num_steps: int, mask_actions: bool, info_names: tuple[str, ...] = (),
+) -> tuple[EnvCarry, Transition, dict[str, jax.Array]]:
     """Steps N envs for T steps with the current policy. Returns the new carry, the transitions,
-    and per step the return and length of episodes that ended there (NaN where none ended)."""
+    and `finished`: per step (T, N) the return, the length and the env's own `info` metrics
+    (info_names, as env/<name>) of the episodes that ended there, NaN where none ended."""
     num_envs = env_carry.obs.shape[0]
     num_actions = env.action_space(env_params).n
     gumbel_key, env_key = jax.random.split(key)
@@ -287,17 +282,18 @@ def collect_rollout(
         done = jnp.logical_or(terminated, truncated)
         episode_return = carry.episode_return + reward
         episode_length = carry.episode_length + 1
-        finished_return = jnp.where(done, episode_return, jnp.nan)
-        finished_length = jnp.where(done, episode_length, jnp.nan)
+        episode_end = {"charts/episodic_return": episode_return, "charts/episodic_length": episode_length}
+        episode_end.update({f"env/{name}": info[name] for name in info_names})
+        finished = {name: jnp.where(done, value.astype(jnp.float32), jnp.nan) for name, value in episode_end.items()}
         new_carry = EnvCarry(env_state, next_obs, jnp.where(done, 0.0, episode_return), jnp.where(done, 0, episode_length))
         transition = Transition(
             obs=carry.obs, action=action, reward=reward.astype(jnp.float32), terminated=terminated, truncated=truncated,
             final_obs=info["final_observation"], action_mask=action_mask,
         )
-        return new_carry, (transition, finished_return, finished_length)
+        return new_carry, (transition, finished)
 
-    env_carry, (transitions, finished_return, finished_length) = jax.lax.scan(step, env_carry, (gumbel, env_keys))
-    return env_carry, transitions, finished_return, finished_length
+    env_carry, (transitions, finished) = jax.lax.scan(step, env_carry, (gumbel, env_keys))
+    return env_carry, transitions, finished
 
 
 def compute_gae(
@@ -449,7 +445,7 @@ def update_cycle(
     return carry.params, carry.opt_state, metrics, carry.non_finite
 
 
-# Everything logged per cycle (charts/SPS is added on the host).
+# Logged every cycle (charts/SPS is added on the host), then the env's own env/<name> metrics.
 METRIC_NAMES = (
     "charts/episodic_return", "charts/episodic_length", "charts/learning_rate", "charts/clip_eps",
     *MINIBATCH_METRIC_NAMES, "losses/explained_variance", "losses/epochs_run",
@@ -464,18 +460,19 @@ def reset_envs(key: jax.Array, env: Any, env_params: Any, num_envs: int) -> EnvC
 
 def train_cycle(
     state: TrainState, network: ActorCritic, optimizer: optax.GradientTransformation, env: Any, env_params: Any,
-    args: Args, axis_name: str | None = None,
+    args: Args, axis_name: str | None = None, info_names: tuple[str, ...] = (),
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One cycle of one seed: a rollout, GAE, then the update epochs. Returns the new state and
-    the cycle's metrics (METRIC_NAMES). Under shard_map it sees this device's envs."""
+    the cycle's metrics (run_metric_names). Under shard_map it sees this device's envs."""
     key, reset_key, rollout_key, update_key = jax.random.split(state.key, 4)
     reset_key, rollout_key, update_key = (per_device(k, axis_name) for k in (reset_key, rollout_key, update_key))
     env_carry = state.env
     if args.reset_envs_each_cycle:
         env_carry = reset_envs(reset_key, env, env_params, env_carry.obs.shape[0])
 
-    env_carry, transitions, finished_return, finished_length = collect_rollout(
-        state.params, env_carry, rollout_key, network, env, env_params, args.num_env_steps_per_cycle, uses_action_mask(args, env)
+    env_carry, transitions, finished = collect_rollout(
+        state.params, env_carry, rollout_key, network, env, env_params, args.num_env_steps_per_cycle, uses_action_mask(args, env),
+        info_names=info_names,
     )
 
     # One batched forward pass over the whole rollout for log-probs and values, instead of one
@@ -500,8 +497,9 @@ def train_cycle(
     )
 
     last_step = (state.cycle + 1) * args.num_epochs_per_cycle * args.num_minibatches_per_epoch - 1
-    metrics["charts/episodic_return"] = nanmean_or_nan(finished_return, axis_name)
-    metrics["charts/episodic_length"] = nanmean_or_nan(finished_length, axis_name)
+    for name, values in finished.items():  # return, length, env/<name>: over the episodes that ended
+        metrics[name] = nanmean_or_nan(values, axis_name)
+    metrics.update(craftax_score(metrics))  # env/score, from the env/achievement_* rates (Craftax only)
     metrics["charts/learning_rate"] = jnp.float32(annealed(args.lr, args.anneal_lr, args.num_gradient_steps)(last_step))
     metrics["charts/clip_eps"] = jnp.float32(annealed(args.clip_eps, args.anneal_clip_eps, args.num_gradient_steps)(last_step))
     metrics["losses/explained_variance"] = explained_variance(batch.value, batch.target, axis_name)
@@ -516,6 +514,8 @@ def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | 
     network = make_network(args, env.action_space(env_params).n)
     optimizer = make_optimizer(args)
     obs_shape = env.observation_space(env_params).shape
+    info_names = env_info_names(env, env_params)  # the env's own episode metrics, logged as env/<name>
+    metric_names = METRIC_NAMES + env_metric_names(info_names)
 
     @jax.jit
     def init_one(key: jax.Array) -> TrainState:
@@ -529,18 +529,18 @@ def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | 
         return init_one(jax.random.key(seed))
 
     axis_name = None if mesh is None else DEVICE_AXIS
-    one_seed = lambda state: train_cycle(state, network, optimizer, env, env_params, args, axis_name)  # noqa: E731
-    every_seed = skip_when_every_seed_failed(vmap_over_seeds(one_seed, args.num_seeds))
+    one_seed = lambda state: train_cycle(state, network, optimizer, env, env_params, args, axis_name, info_names)  # noqa: E731
+    every_seed = skip_when_every_seed_failed(vmap_over_seeds(one_seed, args.num_seeds), metric_names)
     one_cycle = every_seed if mesh is None else shard_over_devices(every_seed, mesh)
 
     def train(states: TrainState, log_fn: Callable | None = None, checkpoint_fn: Callable | None = None, start_cycle: int = 0):
         def cycle_body(carry, _):
             states, outbox = carry
             states, metrics = one_cycle(states)
-            outbox = send_to_host(outbox, states, metrics, args, log_fn, checkpoint_fn, ordered=mesh is None)
+            outbox = send_to_host(outbox, states, metrics, metric_names, args, log_fn, checkpoint_fn, ordered=mesh is None)
             return (states, outbox), metrics
 
-        outbox = empty_outbox(args, num_seeds=states.cycle.shape[0])
+        outbox = empty_outbox(args, num_seeds=states.cycle.shape[0], num_metrics=len(metric_names))
         (states, _), metrics = jax.lax.scan(cycle_body, (states, outbox), None, length=args.num_cycles - start_cycle)
         return states, metrics
 
@@ -612,11 +612,19 @@ def flag(field_name: str) -> str:
 
 
 # --- environment loading ------------------------------------------------------------------
+# Every env keeps gymnax's contract: step(key, state, action, params) -> (obs, state, reward,
+# terminated, truncated, info) resets a finished episode itself and puts the observation from
+# before that reset in info["final_observation"]. Craftax and XLand-MiniGrid are adapted to it
+# below; their packages (requirements-envs.txt) are imported only when one of their ids is used.
+
+CRAFTAX_IDS = ("Craftax-Classic-Symbolic-v1", "Craftax-Classic-Pixels-v1", "Craftax-Symbolic-v1", "Craftax-Pixels-v1")
+XMINIGRID_PREFIXES = ("MiniGrid-", "XLand-MiniGrid-")  # every id in xminigrid.registered_environments()
 
 
 def make_env(env_id: str) -> tuple[Any, Any]:
-    """`env_id` is a gymnax id or `module.path:Name` (an Environment subclass, or a
-    zero-argument factory returning (env, env_params))."""
+    """`env_id` is a gymnax id, a Craftax id (CRAFTAX_IDS), an XLand-MiniGrid id, or
+    `module.path:Name` (an Environment subclass, or a zero-argument factory returning
+    (env, env_params))."""
     if ":" in env_id:
         module_name, _, attr_name = env_id.partition(":")
         try:
@@ -636,11 +644,13 @@ def make_env(env_id: str) -> tuple[Any, Any]:
             env, env_params = made
         else:
             raise ConfigError(f"--env-id {env_id}: {attr_name!r} is neither an Environment class nor a factory")
+    elif env_id in CRAFTAX_IDS:
+        env, env_params = craftax_env(env_id)
+    elif env_id.startswith(XMINIGRID_PREFIXES):
+        env, env_params = xminigrid_env(env_id)
     else:
         if env_id not in gymnax.registered_envs:
-            close = difflib.get_close_matches(env_id, gymnax.registered_envs, n=3, cutoff=0.5)
-            hint = f"; did you mean {', '.join(close)}?" if close else "; see gymnax.registered_envs"
-            raise ConfigError(f"--env-id {env_id} is not a gymnax environment{hint}")
+            raise ConfigError(f"--env-id {env_id} is not a gymnax, Craftax or XLand-MiniGrid environment{did_you_mean(env_id)}")
         env, env_params = gymnax.make(env_id)
     action_space = env.action_space(env_params)
     if not isinstance(action_space, spaces.Discrete):
@@ -649,6 +659,187 @@ def make_env(env_id: str) -> tuple[Any, Any]:
             f"{Path(__file__).name} supports discrete actions only"
         )
     return env, env_params
+
+
+def did_you_mean(env_id: str) -> str:
+    """Close names among every suite's ids (XLand-MiniGrid's only when it is installed)."""
+    try:
+        import xminigrid
+
+        xminigrid_ids = xminigrid.registered_environments()
+    except ImportError:
+        xminigrid_ids = ()
+    close = difflib.get_close_matches(env_id, [*gymnax.registered_envs, *CRAFTAX_IDS, *xminigrid_ids], n=3, cutoff=0.5)
+    if close:
+        return f"; did you mean {', '.join(close)}?"
+    return "; see gymnax.registered_envs, CRAFTAX_IDS and xminigrid.registered_environments()"
+
+
+def import_suite(module_name: str, env_id: str) -> Any:
+    """The suite's package, imported only now; one line saying how to install it if it is missing."""
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as error:
+        package = module_name.partition(".")[0]
+        raise ConfigError(
+            f"--env-id {env_id} needs the {package} package ({error}); install it with: pip install -r requirements-envs.txt"
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class SuiteEnv:
+    """An env of another suite behind the gymnax interface above: reset(key, params) -> (obs,
+    state) and step(key, state, action, params), which resets the episode itself."""
+
+    reset: Callable
+    step: Callable
+    num_actions: int
+    obs_shape: tuple[int, ...]
+
+    def action_space(self, params: Any = None) -> spaces.Discrete:
+        return spaces.Discrete(self.num_actions)
+
+    def observation_space(self, params: Any = None) -> spaces.Box:
+        return spaces.Box(0.0, 1.0, self.obs_shape, jnp.float32)
+
+
+def where_done(done: jax.Array, reset: Any, stepped: Any) -> Any:
+    """The reset (obs, state) where the episode is done, else the stepped one (one env)."""
+    return jax.tree.map(lambda new, old: jax.lax.select(done, new, old), reset, stepped)
+
+
+ACHIEVEMENT_PREFIX = "achievement_"  # Craftax's achievements in info: achievement_<name>, 1 or 0
+
+
+def craftax_env(env_id: str) -> tuple[SuiteEnv, Any]:
+    """Craftax (Matthews et al. 2024), made without its auto-reset and reset here. Its `done`
+    includes the time limit (params.max_timesteps: 10,000 steps in Classic, 100,000 in Craftax):
+    here game over (death, lava, the final boss beaten) terminates and the limit truncates.
+    A finished episode restarts in a world generated from its own key: exact, but under vmap XLA
+    generates a world for every env at every step (slow on CPU; see the README)."""
+    craftax = import_suite("craftax.craftax_env", env_id).make_craftax_env_from_name(env_id, auto_reset=False)
+    env_params = craftax.default_params
+
+    def step(key, state, action, params):
+        step_key, reset_key = jax.random.split(key)
+        final_obs, final_state, reward, done, craftax_info = craftax.step_env(step_key, state, action, params)
+        terminated = craftax.is_terminal(final_state, params.replace(max_timesteps=jnp.iinfo(jnp.int32).max))  # no limit
+        truncated = done & ~terminated
+        obs, state = where_done(done, craftax.reset_env(reset_key, params), (final_obs, final_state))
+        info = {  # Craftax reports 100 x achieved at episode ends (0 elsewhere): here 1 or 0
+            ACHIEVEMENT_PREFIX + name.partition("/")[2]: value / 100.0
+            for name, value in craftax_info.items() if name.startswith("Achievements/")
+        }
+        info.update(discount=1.0 - terminated.astype(jnp.float32), terminated=terminated, truncated=truncated,
+                    final_observation=final_obs)
+        return obs, state, reward, terminated, truncated, info
+
+    obs_shape = tuple(craftax.observation_space(env_params).shape)
+    return SuiteEnv(craftax.reset_env, step, craftax.num_actions, obs_shape), env_params
+
+
+XMINIGRID_DIRECTIONS = 4  # the agent faces one of 4 directions
+
+
+def xminigrid_env(env_id: str) -> tuple[SuiteEnv, Any]:
+    """XLand-MiniGrid (Nikulin et al. 2024), whose TimeStep API does not reset, reset here. An
+    episode terminates when it is won or lost (LAST with discount 0) and is truncated at
+    params.max_steps (LAST with discount 1). Observation: the (V, V, 2) tile and colour ids of the
+    agent's view as one-hots, and its direction as a one-hot broadcast over the view: float32
+    (V, V, 13 + 12 + 4). info["success"]: 1 for a won episode (terminated with reward > 0)."""
+    xminigrid = import_suite("xminigrid", env_id)
+    if env_id not in xminigrid.registered_environments():
+        raise ConfigError(f"--env-id {env_id} is not an XLand-MiniGrid environment{did_you_mean(env_id)}")
+    if env_id.startswith("XLand-MiniGrid-"):
+        raise ConfigError(
+            f"--env-id {env_id} needs a ruleset (its task: without one it has no goal), which xminigrid only gets by "
+            "downloading a benchmark (xminigrid.load_benchmark); this script downloads nothing. Use a MiniGrid-* id"
+        )
+    from xminigrid.core.constants import NUM_COLORS, NUM_TILES
+
+    minigrid, env_params = xminigrid.make(env_id)
+
+    def encode(timestep) -> jax.Array:
+        ids = timestep.observation  # (V, V, 2) uint8: tile id, colour id
+        direction = jax.nn.one_hot(timestep.state.agent.direction, XMINIGRID_DIRECTIONS)
+        return jnp.concatenate(
+            [jax.nn.one_hot(ids[..., 0], NUM_TILES), jax.nn.one_hot(ids[..., 1], NUM_COLORS),
+             jnp.broadcast_to(direction, (*ids.shape[:2], XMINIGRID_DIRECTIONS))],
+            axis=-1,
+        )
+
+    def reset(key, params):
+        timestep = minigrid.reset(params, key)
+        return encode(timestep), timestep
+
+    def step(key, timestep, action, params):  # xminigrid's step is deterministic: the key is the reset's
+        final = minigrid.step(params, timestep, action)
+        done = final.last()
+        terminated = done & (final.discount == 0.0)
+        truncated = done & ~terminated
+        timestep = where_done(done, minigrid.reset(params, key), final)
+        info = {
+            "success": (terminated & (final.reward > 0.0)).astype(jnp.float32),
+            "discount": final.discount, "terminated": terminated, "truncated": truncated,
+            "final_observation": encode(final),
+        }
+        return encode(timestep), timestep, final.reward, terminated, truncated, info
+
+    view = minigrid.observation_shape(env_params)[0]
+    obs_shape = (view, view, NUM_TILES + NUM_COLORS + XMINIGRID_DIRECTIONS)
+    return SuiteEnv(reset, step, minigrid.num_actions(env_params), obs_shape), env_params
+
+
+# --- env info metrics ---------------------------------------------------------------------
+# An env's own episode metrics (Craftax's achievements, XLand-MiniGrid's success) are the
+# numeric scalar entries of its step's `info`. Each is logged as env/<name>: the mean of its
+# values at the steps where episodes ended in the cycle (NaN when none did).
+
+STEP_INFO_KEYS = ("final_observation", "discount", "terminated", "truncated")  # per step, not episode metrics
+CRAFTAX_SCORE = "env/score"
+
+
+def env_info_names(env: Any, env_params: Any) -> tuple[str, ...]:
+    """The names of the numeric scalar entries of one step's info, besides STEP_INFO_KEYS; from
+    jax.eval_shape of a step (traced, nothing computed). They shape the metrics rows, so they
+    must be known before the training loop is traced."""
+    key = jax.random.key(0)
+    _, state = jax.eval_shape(env.reset, key, env_params)
+    info = jax.eval_shape(env.step, key, state, jax.ShapeDtypeStruct((), jnp.int32), env_params)[5]
+    return tuple(sorted(
+        name for name, value in info.items()
+        if name not in STEP_INFO_KEYS and isinstance(value, jax.ShapeDtypeStruct) and value.shape == ()
+        and (jnp.issubdtype(value.dtype, jnp.number) or value.dtype == jnp.bool_)
+    ))
+
+
+def env_metric_names(info_names: tuple[str, ...]) -> tuple[str, ...]:
+    names = tuple(f"env/{name}" for name in info_names)
+    has_achievements = any(name.startswith(ACHIEVEMENT_PREFIX) for name in info_names)
+    return names + ((CRAFTAX_SCORE,) if has_achievements else ())
+
+
+def run_metric_names(env: Any, env_params: Any) -> tuple[str, ...]:
+    """Everything a run logs per cycle, in the order of the metrics rows: METRIC_NAMES, then
+    the env's own metrics."""
+    return METRIC_NAMES + env_metric_names(env_info_names(env, env_params))
+
+
+def craftax_score(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """The Craftax score (Crafter's, Hafner 2021; Matthews et al. 2024): the geometric mean of
+    the achievements' success rates in percent, offset by 1, exp(mean(log(1 + 100 rate))) - 1,
+    from 0 to 100; here over the episodes that ended in the cycle. Empty without achievements."""
+    rates = [value for name, value in metrics.items() if name.startswith(f"env/{ACHIEVEMENT_PREFIX}")]
+    if not rates:
+        return {}
+    return {CRAFTAX_SCORE: jnp.exp(jnp.mean(jnp.log1p(100.0 * jnp.stack(rates)))) - 1.0}
+
+
+def console_env_metrics(metric_names: tuple[str, ...]) -> list[str]:
+    """The env metrics on the console line: the score when there is one, else every env/<name>."""
+    if CRAFTAX_SCORE in metric_names:
+        return [CRAFTAX_SCORE]
+    return [name for name in metric_names if name.startswith("env/")]
 
 
 # --- devices and seeds ----------------------------------------------------------------------
@@ -772,12 +963,12 @@ def guard_non_finite(state: TrainState, params: Any, opt_state: Any, non_finite:
     )
 
 
-def skip_when_every_seed_failed(cycle_of_every_seed: Callable) -> Callable:
+def skip_when_every_seed_failed(cycle_of_every_seed: Callable, metric_names: tuple[str, ...]) -> Callable:
     """Once every seed has failed, a cycle only counts itself and logs NaN (costs nothing)."""
 
     def skip(states: TrainState) -> tuple[TrainState, dict[str, jax.Array]]:
         nan = jnp.full(states.cycle.shape, jnp.nan)
-        return states._replace(cycle=states.cycle + 1), {name: nan for name in METRIC_NAMES}
+        return states._replace(cycle=states.cycle + 1), {name: nan for name in metric_names}
 
     def cycle(states: TrainState) -> tuple[TrainState, dict[str, jax.Array]]:
         return jax.lax.cond(jnp.all(states.non_finite > 0), skip, cycle_of_every_seed, states)
@@ -817,15 +1008,15 @@ class Outbox(NamedTuple):
     """Metrics rows waiting inside the jit for the next host callback (one callback costs more
     than a small cycle on CPU)."""
 
-    rows: jax.Array  # (rows_per_callback, len(METRIC_NAMES), seeds)
+    rows: jax.Array  # (rows_per_callback, metrics (run_metric_names), seeds)
     row_cycles: jax.Array  # (rows_per_callback,) int
     num_rows: jax.Array  # rows filled
 
 
-def empty_outbox(args: Args, num_seeds: int) -> Outbox:
+def empty_outbox(args: Args, num_seeds: int, num_metrics: int) -> Outbox:
     rows_per_callback = max(1, LOG_ROWS_ENV_STEPS // args.batch_size)
     return Outbox(
-        rows=jnp.zeros((rows_per_callback, len(METRIC_NAMES), num_seeds), jnp.float32),
+        rows=jnp.zeros((rows_per_callback, num_metrics, num_seeds), jnp.float32),
         row_cycles=jnp.zeros(rows_per_callback, jnp.int32),
         num_rows=jnp.int32(0),
     )
@@ -835,6 +1026,7 @@ def send_to_host(
     outbox: Outbox,
     states: TrainState,
     metrics: dict[str, jax.Array],
+    metric_names: tuple[str, ...],
     args: Args,
     log_fn: Callable | None,
     checkpoint_fn: Callable | None,
@@ -851,7 +1043,7 @@ def send_to_host(
     if log_fn is not None:
         last = cycle == args.num_cycles
         should_log = (cycle % args.log_every_cycles == 0) | last
-        values = jnp.stack([metrics[name] for name in METRIC_NAMES])  # (metrics, seeds)
+        values = jnp.stack([metrics[name] for name in metric_names])  # (metrics, seeds)
         outbox = Outbox(
             rows=jnp.where(should_log, outbox.rows.at[outbox.num_rows].set(values), outbox.rows),
             row_cycles=jnp.where(should_log, outbox.row_cycles.at[outbox.num_rows].set(cycle), outbox.row_cycles),
@@ -890,8 +1082,9 @@ class MetricsLogger:
     """Host side of the metrics callback: metrics.jsonl, a console line and wandb. A failed write
     (disk full, no permission) raises a WriteError, which stops the run."""
 
-    def __init__(self, args: Args, run_dir: Path):
+    def __init__(self, args: Args, run_dir: Path, metric_names: tuple[str, ...] = METRIC_NAMES):
         self.args = args
+        self.metric_names = metric_names  # the order of the rows' values: run_metric_names
         self.seeds = [args.seed + i for i in range(args.num_seeds)]
         self.path = run_dir / "metrics.jsonl"
         self.file: Any = None
@@ -909,7 +1102,7 @@ class MetricsLogger:
         self.last_cycle = cycle
 
     def __call__(self, cycles: Any, num_rows: Any, values: Any) -> None:
-        """The first num_rows of cycles (rows,) and values (rows, len(METRIC_NAMES), num_seeds)."""
+        """The first num_rows of cycles (rows,) and values (rows, len(metric_names), num_seeds)."""
         if jax.process_index() != 0:  # multi-host: one writer
             return
         now = time.perf_counter()
@@ -927,7 +1120,7 @@ class MetricsLogger:
         for row_cycle, row in zip(cycles, rows):
             for seed, seed_values in zip(self.seeds, row):
                 line = {"cycle": row_cycle, "env_steps": row_cycle * self.args.batch_size, "seed": seed, "charts/SPS": sps}
-                line.update((name, value if math.isfinite(value) else None) for name, value in zip(METRIC_NAMES, seed_values))
+                line.update((name, value if math.isfinite(value) else None) for name, value in zip(self.metric_names, seed_values))
                 lines.append(json.dumps(line))
         try:
             self.file.write("\n".join(lines) + "\n")
@@ -941,7 +1134,7 @@ class MetricsLogger:
                 log["charts/SPS"] = sps
                 if self.args.num_seeds > 1:
                     for seed, seed_values in zip(self.seeds, row):
-                        log.update({f"seed_{seed}/{name}": value for name, value in zip(METRIC_NAMES, seed_values) if math.isfinite(value)})
+                        log.update({f"seed_{seed}/{name}": value for name, value in zip(self.metric_names, seed_values) if math.isfinite(value)})
                 self.wandb_run.log(log, step=row_cycle * self.args.batch_size)
 
         if now - self.last_print >= 1.0 or cycle == self.args.num_cycles:
@@ -952,15 +1145,15 @@ class MetricsLogger:
                 f"cycle {cycle}/{self.args.num_cycles} | env steps {env_steps:,} | SPS {sps:,.0f} | "
                 f"return {'-' if episodic_return is None else f'{episodic_return:.2f}'} | "
                 f"policy loss {fmt(mean['losses/policy_loss'])} | value loss {fmt(mean['losses/value_loss'])} | "
-                f"entropy {fmt(mean['losses/entropy'])} | approxkl3 {fmt(mean['losses/actor_approxkl3'])}",
+                f"entropy {fmt(mean['losses/entropy'])} | approxkl3 {fmt(mean['losses/actor_approxkl3'])}"
+                + "".join(f" | {name} {fmt(mean[name])}" for name in console_env_metrics(self.metric_names)),
                 flush=True,
             )
 
-    @staticmethod
-    def seed_means(row: list[list[float]]) -> dict[str, float | None]:
+    def seed_means(self, row: list[list[float]]) -> dict[str, float | None]:
         """Each metric's mean over the seeds where it is finite; None where it is nowhere."""
         columns = [[value for value in column if math.isfinite(value)] for column in zip(*row)]
-        return {name: sum(column) / len(column) if column else None for name, column in zip(METRIC_NAMES, columns)}
+        return {name: sum(column) / len(column) if column else None for name, column in zip(self.metric_names, columns)}
 
     def close(self) -> None:
         try:
@@ -1281,7 +1474,7 @@ def run(args: Args) -> dict[str, Any]:
     start_cycle = 0
     if args.resume:
         states, start_cycle = checkpointer.load(states)
-    logger = MetricsLogger(args, run_dir)
+    logger = MetricsLogger(args, run_dir, run_metric_names(env, env_params))
     states = place_on_mesh(states, mesh)
     train_jit = jax.jit(lambda states: train(states, logger, checkpointer, start_cycle), donate_argnums=0)
     compiled = train_jit.lower(states).compile()

@@ -207,7 +207,7 @@ def test_rollout_frame_stack_and_final_obs_at_episode_boundaries(tmp_path):
     obs_shape = ppo.stacked_obs_shape(env, env_params, args.frame_stack)
     params = ppo.init_params(network, jax.random.key(0), args, obs_shape)
     env_carry = ppo.reset_envs(jax.random.key(1), env, env_params, args.num_parallel_envs, args)
-    _, transitions, _, _ = ppo.collect_rollout(params, env_carry, jax.random.key(2), network, env, env_params, 14, False, True)
+    _, transitions, _ = ppo.collect_rollout(params, env_carry, jax.random.key(2), network, env, env_params, 14, False, True)
     obs, final_obs, start = (np.asarray(x) for x in (transitions.obs, transitions.final_obs, transitions.episode_start))
     done = np.asarray(transitions.terminated | transitions.truncated)
     assert done.any() and start[1:].any()  # Memory episodes last 6 steps
@@ -236,7 +236,7 @@ def test_invalid_actions_are_never_taken_when_the_env_masks_them(tmp_path):
     network = ppo.make_network(args, 3)
     params = ppo.init_params(network, jax.random.key(0), args, (3, 3, 1))
     env_carry = ppo.reset_envs(jax.random.key(1), env, env_params, args.num_parallel_envs, args)
-    _, transitions, _, _ = ppo.collect_rollout(params, env_carry, jax.random.key(2), network, env, env_params, 12, True, False)
+    _, transitions, _ = ppo.collect_rollout(params, env_carry, jax.random.key(2), network, env, env_params, 12, True, False)
     assert transitions.action_mask.shape == (12, args.num_parallel_envs, 3)
     assert np.all(np.asarray(transitions.action) != 0) and np.any(np.asarray(transitions.action) == 2)
     _, _, logp, _, _ = ppo.evaluate_rollout(params, env_carry.lstm_carry, transitions, network, args)
@@ -252,7 +252,7 @@ def test_next_value_uses_pre_reset_carry(tmp_path, lstm_training):
     network = ppo.make_network(args, 2)
     params = ppo.init_params(network, jax.random.key(0), args, (3, 3, 1))
     env_carry = ppo.reset_envs(jax.random.key(1), env, env_params, args.num_parallel_envs, args)
-    _, transitions, _, _ = ppo.collect_rollout(
+    _, transitions, _ = ppo.collect_rollout(
         params, env_carry, jax.random.key(2), network, env, env_params, 12, False, lstm_training == "stored"
     )
     # The observation is constant, so values differ only through the carry.

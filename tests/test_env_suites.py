@@ -1,0 +1,345 @@
+"""Tests for the Craftax and XLand-MiniGrid ids (requirements-envs.txt): the adapters against each
+suite's own step, which never resets; env/<name> metrics and the Craftax score; the IMPALA torso on
+XLand-MiniGrid's small views; ids that are refused; and one short training run per suite.
+
+Craftax compiles slowly (its world generation is large), so its adapter checks share one
+compiled function, and its training run is tiny. Pixels ids are not used: their first use makes
+Craftax build its texture cache, which is slow.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import sys
+from pathlib import Path
+
+import gymnax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ppo_lstm_impala
+import ppo_mlp
+
+SCRIPTS = [ppo_mlp, ppo_lstm_impala]
+CRAFTAX_ID = "Craftax-Classic-Symbolic-v1"
+NOOP = 0  # Craftax
+FORWARD, TURN = 0, 1  # XLand-MiniGrid: turning in place never ends an episode
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def main_error(module, argv: list[str], capsys, tmp_path: Path) -> str:
+    """Runs the script's main() in-process; asserts exit code 2, one stderr line, nothing written."""
+    code = module.main([*argv, "--run-dir", str(tmp_path / "never")])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), lines
+    assert not (tmp_path / "never").exists()
+    return lines[0]
+
+
+# ======================================================================================
+# Both scripts load envs with the same code
+# ======================================================================================
+
+
+def test_both_scripts_share_the_env_loading_code():
+    names = [
+        "did_you_mean", "import_suite", "SuiteEnv", "where_done", "craftax_env", "xminigrid_env", "env_info_names",
+        "env_metric_names", "run_metric_names", "craftax_score", "console_env_metrics",
+    ]
+    for name in names:
+        assert inspect.getsource(getattr(ppo_mlp, name)) == inspect.getsource(getattr(ppo_lstm_impala, name)), name
+    for name in ["CRAFTAX_IDS", "XMINIGRID_PREFIXES", "ACHIEVEMENT_PREFIX", "STEP_INFO_KEYS", "CRAFTAX_SCORE"]:
+        assert getattr(ppo_mlp, name) == getattr(ppo_lstm_impala, name), name
+
+
+# ======================================================================================
+# Craftax: the adapter against Craftax's own step_env (no reset) and reset_env
+# ======================================================================================
+
+
+@pytest.fixture(scope="module")
+def craftax():
+    """The adapter, Craftax's own reset_env (compiled), and one compiled function that runs the
+    adapter's step, Craftax's step_env with the step key and its reset_env with the reset key."""
+    craftax_env = pytest.importorskip("craftax.craftax_env")
+    env, env_params = ppo_mlp.make_env(CRAFTAX_ID)
+    raw = craftax_env.make_craftax_env_from_name(CRAFTAX_ID, auto_reset=False)
+
+    @jax.jit
+    def step_both(key, state, params):
+        step_key, reset_key = jax.random.split(key)  # the adapter's split
+        return env.step(key, state, NOOP, params), raw.step_env(step_key, state, NOOP, params), raw.reset_env(reset_key, params)
+
+    return env, env_params, jax.jit(raw.reset_env), step_both
+
+
+def test_craftax_time_limit_truncates_and_the_final_observation_is_the_pre_reset_one(craftax):
+    env, env_params, reset, step_both = craftax
+    limit = 3
+    params = env_params.replace(max_timesteps=limit)
+    _, state = reset(jax.random.key(0), params)
+    for t in range(1, limit + 1):
+        adapted, (raw_obs, raw_state, raw_reward, raw_done, _), (reset_obs, _) = step_both(jax.random.key(t), state, params)
+        obs, state, reward, terminated, truncated, info = adapted
+        assert bool(raw_done) == (t == limit)  # Craftax's own done includes the time limit
+        assert not bool(terminated) and bool(truncated) == (t == limit) and float(info["discount"]) == 1.0
+        assert float(reward) == float(raw_reward)
+        np.testing.assert_array_equal(info["final_observation"], raw_obs)  # what V(final_obs) bootstraps from
+        np.testing.assert_array_equal(obs, reset_obs if t == limit else raw_obs)
+        assert int(state.timestep) == (0 if t == limit else t)
+    achievements = [float(value) for name, value in info.items() if name.startswith(ppo_mlp.ACHIEVEMENT_PREFIX)]
+    assert len(achievements) == 22 and set(achievements) <= {0.0, 1.0}
+
+
+def test_craftax_death_terminates_even_on_the_last_step(craftax):
+    env, env_params, reset, step_both = craftax
+    _, state = reset(jax.random.key(0), env_params)
+    dying = state.replace(player_health=jnp.zeros_like(state.player_health), player_recover=jnp.zeros_like(state.player_recover))
+    for timestep in (0, env_params.max_timesteps - 1):  # dying at the time limit is a termination
+        adapted, (raw_obs, _, _, raw_done, raw_info), (reset_obs, _) = step_both(
+            jax.random.key(7), dying.replace(timestep=state.timestep + timestep), env_params  # keeps its dtype: no recompile
+        )
+        obs, next_state, _, terminated, truncated, info = adapted
+        assert bool(raw_done) and float(raw_info["discount"]) == 0.0
+        assert bool(terminated) and not bool(truncated) and float(info["discount"]) == 0.0
+        np.testing.assert_array_equal(info["final_observation"], raw_obs)
+        np.testing.assert_array_equal(obs, reset_obs)
+        assert int(next_state.timestep) == 0 and int(next_state.player_health) > 0
+
+
+# ======================================================================================
+# XLand-MiniGrid: the adapter against xminigrid's own step (no reset) and reset
+# ======================================================================================
+
+
+def decode(obs: jax.Array) -> jax.Array:
+    """The adapter's one-hots back to xminigrid's (V, V, 2) tile and colour ids."""
+    from xminigrid.core.constants import NUM_COLORS, NUM_TILES
+
+    tiles, colours = obs[..., :NUM_TILES], obs[..., NUM_TILES:NUM_TILES + NUM_COLORS]
+    return jnp.stack([tiles.argmax(-1), colours.argmax(-1)], axis=-1)
+
+
+@pytest.fixture(scope="module")
+def memory():
+    """16 MiniGrid-MemoryS8 envs, a time limit of 9 steps, the adapter's compiled reset, and one
+    compiled function that runs the adapter's step, xminigrid's own step and its reset."""
+    xminigrid = pytest.importorskip("xminigrid")
+    env, env_params = ppo_mlp.make_env("MiniGrid-MemoryS8")
+    raw, _ = xminigrid.make("MiniGrid-MemoryS8")
+    params = env_params.replace(max_steps=9)  # a static field: a compile per value, so one value
+
+    @jax.jit
+    def step_both(keys, state, action):
+        adapted = jax.vmap(env.step, in_axes=(0, 0, None, None))(keys, state, action, params)
+        stepped = jax.vmap(raw.step, in_axes=(None, 0, None))(params, state, action)
+        return adapted, stepped, jax.vmap(raw.reset, in_axes=(None, 0))(params, keys)  # the reset uses the step's key
+
+    reset = jax.jit(lambda keys: jax.vmap(env.reset, in_axes=(0, None))(keys, params))
+    return env, params, reset(jax.random.split(jax.random.key(0), 16)), step_both
+
+
+def test_minigrid_time_limit_truncates_and_the_final_observation_is_the_pre_reset_one(memory):
+    env, params, (obs, state), step_both = memory
+    assert env.observation_space(params).shape == (3, 3, 13 + 12 + 4) and env.action_space(params).n == 6
+    assert obs.dtype == jnp.float32 and set(np.unique(obs)) == {0.0, 1.0}
+    np.testing.assert_array_equal(decode(obs), state.observation)
+    np.testing.assert_array_equal(obs[:, 1, 2, 25:], jax.nn.one_hot(state.state.agent.direction, 4))
+    for t in range(1, params.max_steps + 1):
+        last = t == params.max_steps
+        adapted, stepped, reset = step_both(jax.random.split(jax.random.key(t), 16), state, TURN)
+        obs, state, reward, terminated, truncated, info = adapted
+        assert (stepped.last() == last).all() and (stepped.discount == 1.0).all()
+        assert not terminated.any() and (truncated == last).all() and (reward == 0.0).all()
+        np.testing.assert_array_equal(decode(info["final_observation"]), stepped.observation)
+        np.testing.assert_array_equal(decode(obs), (reset if last else stepped).observation)
+        assert (state.state.step_num == (0 if last else t)).all()
+
+
+def test_minigrid_memory_end_is_terminated_and_success_says_which_object(memory):
+    """Down the corridor, turn, step onto one of the two objects: the right one pays."""
+    _, _, (_, state), step_both = memory
+    actions = [FORWARD] * 6 + [TURN, FORWARD]
+    for t, action in enumerate(actions, start=1):
+        adapted, stepped, reset = step_both(jax.random.split(jax.random.key(t), 16), state, action)
+        obs, state, reward, terminated, truncated, info = adapted
+        np.testing.assert_array_equal(decode(info["final_observation"]), stepped.observation)
+        np.testing.assert_array_equal(reward, stepped.reward)
+        assert not truncated.any() and (terminated == (t == len(actions))).all()
+    assert (stepped.discount == 0.0).all() and (info["discount"] == 0.0).all()
+    np.testing.assert_array_equal(decode(obs), reset.observation)
+    np.testing.assert_array_equal(info["success"], (stepped.reward > 0).astype(np.float32))
+    assert 0 < float(info["success"].sum()) < 16  # both the right and the wrong object were reached
+    assert (state.state.step_num == 0).all()
+
+
+# ======================================================================================
+# env/<name> metrics and the Craftax score
+# ======================================================================================
+
+
+def test_env_metric_names_come_from_each_suites_info():
+    pytest.importorskip("craftax")
+    pytest.importorskip("xminigrid")
+    assert ppo_mlp.run_metric_names(*gymnax.make("CartPole-v1")) == ppo_mlp.METRIC_NAMES
+    assert ppo_mlp.run_metric_names(*ppo_mlp.make_env("MiniGrid-MemoryS8")) == (*ppo_mlp.METRIC_NAMES, "env/success")
+    names = ppo_mlp.run_metric_names(*ppo_mlp.make_env(CRAFTAX_ID))[len(ppo_mlp.METRIC_NAMES):]
+    assert len(names) == 23 and names[-1] == "env/score" and "env/achievement_collect_diamond" in names
+    assert all(name.startswith("env/achievement_") for name in names[:-1])
+
+
+class Countdown:
+    """Episodes of exactly 3 steps; info["step"] is the step number, 1 to 3."""
+
+    def action_space(self, params=None):
+        return gymnax.environments.spaces.Discrete(2)
+
+    def observation_space(self, params=None):
+        return gymnax.environments.spaces.Box(0.0, 3.0, (1,), jnp.float32)
+
+    def reset(self, key, params=None):
+        return jnp.zeros((1,), jnp.float32), jnp.int32(0)
+
+    def step(self, key, state, action, params=None):
+        state = state + 1
+        terminated = state == 3
+        obs = jnp.full((1,), state, jnp.float32)
+        truncated = jnp.bool_(False)
+        info = {"step": state, "discount": 1.0 - terminated.astype(jnp.float32), "terminated": terminated,
+                "truncated": truncated, "final_observation": obs, "not_a_scalar": jnp.zeros(2)}
+        return jnp.where(terminated, 0.0, obs), jnp.where(terminated, 0, state), jnp.float32(1.0), terminated, truncated, info
+
+
+def test_env_metrics_average_over_the_episodes_that_ended_only():
+    env = Countdown()
+    assert ppo_mlp.env_info_names(env, None) == ("step",)
+    args = ppo_mlp.Args(hidden_sizes=(8,), orthogonal_init=False)
+    network = ppo_mlp.make_network(args, 2)
+
+    @jax.jit
+    def rollout(key):
+        params = ppo_mlp.init_params(network, key, args, (1,))
+        env_carry = ppo_mlp.reset_envs(key, env, None, num_envs=2)
+        return ppo_mlp.collect_rollout(params, env_carry, key, network, env, None, 7, False, ("step",))
+
+    finished = rollout(jax.random.key(0))[2]  # two episodes end per env in 7 steps, at steps 3 and 6
+    assert set(finished) == {"charts/episodic_return", "charts/episodic_length", "env/step"}
+    assert float(ppo_mlp.nanmean_or_nan(finished["env/step"])) == 3.0  # the mean over all steps would be 2
+    assert math.isnan(float(ppo_mlp.nanmean_or_nan(finished["env/step"][:2])))  # no episode ended in steps 1-2
+
+
+def test_craftax_score_is_the_geometric_mean_of_success_rates_in_percent():
+    metrics = {"env/achievement_a": jnp.float32(1.0), "env/achievement_b": jnp.float32(0.0),
+               "env/achievement_c": jnp.float32(0.5), "charts/episodic_return": jnp.float32(7.0)}
+    expected = (101.0 * 1.0 * 51.0) ** (1 / 3) - 1.0
+    assert float(ppo_mlp.craftax_score(metrics)["env/score"]) == pytest.approx(expected, rel=1e-5)
+    assert float(ppo_mlp.craftax_score({name: jnp.float32(1.0) for name in metrics})["env/score"]) == pytest.approx(100.0)
+    assert math.isnan(float(ppo_mlp.craftax_score({"env/achievement_a": jnp.float32(jnp.nan)})["env/score"]))
+    assert ppo_mlp.craftax_score({"env/success": jnp.float32(1.0)}) == {}
+
+
+# ======================================================================================
+# The IMPALA torso on XLand-MiniGrid's views
+# ======================================================================================
+
+
+@pytest.mark.parametrize("view", [3, 5, 7])
+def test_impala_output_shapes_on_small_views(view):
+    """The default 3 stages, each with a stride-2 SAME max-pool: 3 -> 2 -> 1 -> 1,
+    5 -> 3 -> 2 -> 1, 7 -> 4 -> 2 -> 1; never 0."""
+    channels = ppo_lstm_impala.Args().impala_channels
+    assert len(channels) == 3
+    torso = ppo_lstm_impala.ImpalaTorso(channels, 32, True)
+    obs = jax.ShapeDtypeStruct((4, view, view, 29), jnp.float32)
+    params = jax.eval_shape(torso.init, jax.random.key(0), obs)  # shapes only: nothing is computed
+    assert params["params"]["Dense_0"]["kernel"].shape == (1 * 1 * channels[-1], 32)  # a 1 x 1 map is left
+    assert jax.eval_shape(torso.apply, params, obs).shape == (4, 32)
+
+
+# ======================================================================================
+# Ids that are refused: one line, exit code 2, nothing written
+# ======================================================================================
+
+
+@pytest.mark.parametrize("module", SCRIPTS, ids=lambda module: module.__name__)
+@pytest.mark.parametrize("env_id, package", [(CRAFTAX_ID, "craftax"), ("MiniGrid-MemoryS8", "xminigrid")])
+def test_an_id_of_a_suite_that_is_not_installed_says_how_to_install_it(module, env_id, package, monkeypatch, capsys, tmp_path):
+    for name in [name for name in sys.modules if name == package or name.startswith(package + ".")] + [package]:
+        monkeypatch.setitem(sys.modules, name, None)  # `import package` now raises ImportError
+    line = main_error(module, ["--env-id", env_id], capsys, tmp_path)
+    assert f"needs the {package} package" in line and "pip install -r requirements-envs.txt" in line
+
+
+@pytest.mark.parametrize("module", SCRIPTS, ids=lambda module: module.__name__)
+def test_an_xland_id_that_needs_a_downloaded_ruleset_is_refused(module, capsys, tmp_path):
+    pytest.importorskip("xminigrid")
+    line = main_error(module, ["--env-id", "XLand-MiniGrid-R1-9x9"], capsys, tmp_path)
+    assert "ruleset" in line and "xminigrid.load_benchmark" in line and "download" in line
+
+
+def test_a_symbolic_craftax_env_is_refused_by_the_impala_script(capsys, tmp_path):
+    pytest.importorskip("craftax")
+    line = main_error(ppo_lstm_impala, ["--env-id", CRAFTAX_ID], capsys, tmp_path)
+    assert "(1345,)" in line and "ppo_mlp.py" in line
+
+
+@pytest.mark.parametrize(
+    "env_id, suggestion",
+    [("Craftax-Classic-Symbolic-v2", CRAFTAX_ID), ("MiniGrid-MemoryS9", "MiniGrid-MemoryS8"), ("Breakout-MinAtr", "Breakout-MinAtar")],
+)
+def test_unknown_ids_get_close_names_from_every_suite(env_id, suggestion):
+    pytest.importorskip("xminigrid")
+    with pytest.raises(ppo_mlp.ConfigError, match=f"did you mean {suggestion}"):
+        ppo_mlp.make_env(env_id)
+
+
+# ======================================================================================
+# Short training runs write every metric, env/* included
+# ======================================================================================
+
+
+def test_craftax_classic_symbolic_trains_with_ppo_mlp_and_logs_achievements_and_score(tmp_path, capsys):
+    pytest.importorskip("craftax")
+    run_dir = tmp_path / "craftax"
+    args = ppo_mlp.Args(
+        env_id=CRAFTAX_ID, hidden_sizes=(16,), num_parallel_envs=16, num_env_steps_per_cycle=64,
+        num_minibatches_per_epoch=2, num_epochs_per_cycle=1, num_total_env_steps=2 * 16 * 64, run_dir=str(run_dir),
+    )
+    summary = ppo_mlp.run(args)
+    assert not summary["failures"]
+    assert "env/score" in capsys.readouterr().out  # on the console line
+    rows = read_metrics(run_dir)
+    assert [row["cycle"] for row in rows] == [1, 2] and all(set(ppo_mlp.METRIC_NAMES) <= set(row) for row in rows)
+    achievements = [name for name in rows[0] if name.startswith("env/achievement_")]
+    assert len(achievements) == 22 and all({*achievements, "env/score"} <= set(row) for row in rows)
+    scored = [row for row in rows if row["env/score"] is not None]
+    assert scored, "no episode ended"
+    for row in scored:  # the score of the row's own success rates
+        rates = np.array([row[name] for name in achievements])
+        assert len(rates) == 22 and ((rates >= 0) & (rates <= 1)).all()
+        assert row["env/score"] == pytest.approx(np.exp(np.log1p(100 * rates).mean()) - 1, rel=1e-4)
+
+
+def test_minigrid_memory_trains_with_ppo_lstm_impala_and_logs_success(tmp_path):
+    pytest.importorskip("xminigrid")
+    run_dir = tmp_path / "memory"
+    args = ppo_lstm_impala.Args(
+        env_id="MiniGrid-MemoryS8", impala_channels=(4,), torso_size=32, lstm_size=32, num_parallel_envs=16,
+        num_env_steps_per_cycle=32, num_minibatches_per_epoch=2, num_epochs_per_cycle=1, num_total_env_steps=2 * 16 * 32,
+        run_dir=str(run_dir),
+    )
+    summary = ppo_lstm_impala.run(args)
+    assert not summary["failures"]
+    rows = read_metrics(run_dir)
+    assert [row["cycle"] for row in rows] == [1, 2]
+    assert all(set(ppo_lstm_impala.METRIC_NAMES) | {"env/success", "charts/SPS"} <= set(row) for row in rows)
+    successes = [row["env/success"] for row in rows if row["env/success"] is not None]
+    assert successes and all(0.0 <= value <= 1.0 for value in successes)
+    assert all((row["env/success"] is None) == (row["charts/episodic_return"] is None) for row in rows)
