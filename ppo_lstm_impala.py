@@ -1535,7 +1535,11 @@ def conv3x3_for_cpu(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_di
     """nn.Conv's convolution on CPU, for its 3x3 stride-1 SAME convs: fast inside loops (see
     above). At 2x2 or less XLA swaps the operands into a naive form: a matmul then."""
     assert rhs.shape[:2] == (3, 3) and tuple(window_strides) == (1, 1) and feature_group_count == 1
-    return (nhwc_conv_same if min(lhs.shape[1:3]) > 2 else shifted_matmul_3x3)(lhs, rhs)
+    if min(lhs.shape[1:3]) <= 2:
+        return shifted_matmul_3x3(lhs, rhs)
+    if jax.typeof(lhs).manual_axis_type.varying:  # under shard_map (simulated CPU devices): XLA's own
+        return jax.lax.conv_general_dilated(lhs, rhs, window_strides, padding, dimension_numbers=NHWC_HWIO)
+    return nhwc_conv_same(lhs, rhs)
 
 
 
