@@ -1630,12 +1630,13 @@ def start_wandb_runs(args: Args, run_dir: Path) -> list[Any]:
     for seed in seeds:
         id_file = run_dir / ("wandb_id.txt" if seed is None else f"wandb_id_seed_{seed}.txt")
         resumed_id = id_file.read_text().strip() if id_file.exists() else None
+        name = run_dir.name if seed is None else run_name(args, seed)
         wandb_run = wandb.init(
             project=args.wandb_project,
             entity=args.wandb_entity,
             group=args.wandb_group or experiment_name(args),
             tags=list(args.wandb_tags),
-            name=run_dir.name if seed is None else None if resumed_id else run_name(args, seed),  # resumed: keeps its name
+            name=None if resumed_id and seed is not None else name,  # a resumed seed's run keeps its first name
             mode=args.wandb_mode,
             dir=str(run_dir),
             config=config if seed is None else {**config, "seed": seed},
