@@ -92,7 +92,9 @@ class Args:
     track: bool = False  # log to Weights & Biases
     wandb_project: str = "ppo-jax"  # wandb project
     wandb_entity: str | None = None  # wandb entity (team or user)
-    wandb_group: str | None = None  # wandb group
+    wandb_group: str | None = None  # wandb group; default <env>__<exp-name>
+    wandb_tags: tuple[str, ...] = ()  # wandb tags
+    wandb_run_per_seed: bool = False  # one wandb run per seed, plain metric names (CleanRL's layout); off: seed_<n>/
     wandb_mode: Literal["online", "offline", "disabled"] = "online"  # offline: RUN_DIR/wandb, for `wandb sync`
     run_dir: str | None = None  # output folder; default runs/<env>__<exp-name>__<seed>__<time>
     log_every_cycles: int = 1  # write metrics every this many cycles (the last cycle is always written)
@@ -438,8 +440,7 @@ def update_cycle(
 
     metric_sums = {name: jnp.float32(0.0) for name in MINIBATCH_METRIC_NAMES}
     carry = UpdateCarry(params, opt_state, jnp.bool_(False), non_finite, metric_sums, num_applied=jnp.float32(0.0))
-    epoch_keys = jax.random.split(key, num_epochs)
-    carry, _ = jax.lax.scan(epoch, carry, (epoch_keys, jnp.arange(num_epochs)))
+    carry, _ = jax.lax.scan(epoch, carry, (jax.random.split(key, num_epochs), jnp.arange(num_epochs)))
     metrics = {name: total / jnp.maximum(carry.num_applied, 1.0) for name, total in carry.metric_sums.items()}
     metrics["losses/epochs_run"] = carry.num_applied / num_minibatches
     return carry.params, carry.opt_state, metrics, carry.non_finite
@@ -454,8 +455,7 @@ METRIC_NAMES = (
 
 def reset_envs(key: jax.Array, env: Any, env_params: Any, num_envs: int) -> EnvCarry:
     obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(key, num_envs), env_params)
-    zeros = jnp.zeros((num_envs,), jnp.float32)
-    return EnvCarry(env_state, obs, zeros, jnp.zeros((num_envs,), jnp.int32))
+    return EnvCarry(env_state, obs, jnp.zeros((num_envs,), jnp.float32), jnp.zeros((num_envs,), jnp.int32))
 
 
 def train_cycle(
@@ -603,8 +603,30 @@ def validate_args(args: Args) -> None:
     for name in ["run_dir", "resume"]:
         if getattr(args, name) is not None and not getattr(args, name).strip():
             raise ConfigError(f"{flag(name)} must name a folder, got {getattr(args, name)!r}")
+    validate_wandb_args(args)
     if not args.hidden_sizes or min(args.hidden_sizes) <= 0:
         raise ConfigError(f"--hidden-sizes must be one or more positive integers, got {args.hidden_sizes}")
+
+
+WANDB_NAME_LIMIT = 128  # characters in a wandb project or group name
+WANDB_TAG_LIMIT = 64  # characters in a wandb tag
+WANDB_PROJECT_FORBIDDEN = "/\\#?%:"  # characters wandb refuses in a project name
+
+
+def validate_wandb_args(args: Args) -> None:
+    """The limits wandb.init and its server put on names, checked before anything is compiled."""
+    project = args.wandb_project
+    if not project.strip() or len(project) > WANDB_NAME_LIMIT or any(char in project for char in WANDB_PROJECT_FORBIDDEN):
+        raise ConfigError(
+            f"--wandb-project must be 1 to {WANDB_NAME_LIMIT} characters, none of {' '.join(WANDB_PROJECT_FORBIDDEN)}; "
+            f"got {project!r}"
+        )
+    group = args.wandb_group
+    if group is not None and (not group.strip() or len(group) > WANDB_NAME_LIMIT):
+        raise ConfigError(f"--wandb-group must be 1 to {WANDB_NAME_LIMIT} characters when set, got {group!r}")
+    for tag in args.wandb_tags:
+        if not tag.strip() or len(tag) > WANDB_TAG_LIMIT:
+            raise ConfigError(f"--wandb-tags: each tag must be 1 to {WANDB_TAG_LIMIT} characters, got {tag!r}")
 
 
 def flag(field_name: str) -> str:
@@ -1088,16 +1110,16 @@ class MetricsLogger:
         self.seeds = [args.seed + i for i in range(args.num_seeds)]
         self.path = run_dir / "metrics.jsonl"
         self.file: Any = None
-        self.wandb_run: Any = None
+        self.wandb_runs: list[Any] = []  # start_wandb_runs: seed 0's first (the only one without --wandb-run-per-seed)
         self.last_time: float | None = None
         self.last_cycle = 0
         self.last_print = 0.0
         self.error: WriteError | None = None
 
-    def start(self, cycle: int, wandb_run: Any | None) -> None:
+    def start(self, cycle: int, wandb_runs: list[Any]) -> None:
         """Called once compiled, just before training: nothing is written before that."""
         self.file = open(self.path, "a")
-        self.wandb_run = wandb_run
+        self.wandb_runs = wandb_runs
         self.last_time = time.perf_counter()
         self.last_cycle = cycle
 
@@ -1128,14 +1150,11 @@ class MetricsLogger:
         except OSError as error:
             self.error = WriteError(f"cannot write {self.path}: {error}; the run stopped")
             raise self.error from None
-        if self.wandb_run is not None:  # every row, against its env steps
+        if self.wandb_runs:  # every row, against its env steps
             for row_cycle, row in zip(cycles, rows):
-                log = {name: value for name, value in self.seed_means(row).items() if value is not None}
-                log["charts/SPS"] = sps
-                if self.args.num_seeds > 1:
-                    for seed, seed_values in zip(self.seeds, row):
-                        log.update({f"seed_{seed}/{name}": value for name, value in zip(self.metric_names, seed_values) if math.isfinite(value)})
-                self.wandb_run.log(log, step=row_cycle * self.args.batch_size)
+                row_env_steps = row_cycle * self.args.batch_size
+                for wandb_run, log in zip(self.wandb_runs, self.wandb_logs(row, row_env_steps, sps)):
+                    wandb_run.log(log, step=row_env_steps)
 
         if now - self.last_print >= 1.0 or cycle == self.args.num_cycles:
             self.last_print = now
@@ -1149,6 +1168,24 @@ class MetricsLogger:
                 + "".join(f" | {name} {fmt(mean[name])}" for name in console_env_metrics(self.metric_names)),
                 flush=True,
             )
+
+    def wandb_logs(self, row: list[list[float]], env_steps: int, sps: float) -> list[dict[str, float]]:
+        """What each wandb run logs of one row (seeds, metrics), finite values only. Per seed
+        (--wandb-run-per-seed): the seed's values under the plain names. One run: the mean over
+        seeds under the plain names and, with several seeds, each seed's under seed_<seed>/.
+        `global_step` (env steps per seed) is the x-axis that CleanRL's runs, and so
+        openrlbenchmark, use; charts/SPS counts every seed's steps, as in metrics.jsonl."""
+        common = {"global_step": env_steps, "charts/SPS": sps}
+        if self.args.wandb_run_per_seed:
+            return [{**common, **self.finite(seed_values)} for seed_values in row]
+        log = {**common, **{name: value for name, value in self.seed_means(row).items() if value is not None}}
+        if self.args.num_seeds > 1:
+            for seed, seed_values in zip(self.seeds, row):
+                log.update(self.finite(seed_values, prefix=f"seed_{seed}/"))
+        return [log]
+
+    def finite(self, values: list[float], prefix: str = "") -> dict[str, float]:
+        return {prefix + name: value for name, value in zip(self.metric_names, values) if math.isfinite(value)}
 
     def seed_means(self, row: list[list[float]]) -> dict[str, float | None]:
         """Each metric's mean over the seeds where it is finite; None where it is nowhere."""
@@ -1180,16 +1217,42 @@ def final_returns(args: Args, episodic_return: np.ndarray) -> list[float | None]
     return result
 
 
+def experiment_name(args: Args) -> str:
+    """<env>__<exp-name>: the default wandb group."""
+    return f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', args.env_id)}__{args.exp_name}"
+
+
+def run_name(args: Args, seed: int) -> str:
+    """<env>__<exp-name>__<seed>__<time>: the default run dir's name, and a per-seed wandb run's."""
+    return f"{experiment_name(args)}__{seed}__{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
 def default_run_dir(args: Args) -> Path:
-    env_name = re.sub(r"[^A-Za-z0-9_.-]+", "_", args.env_id)
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{env_name}__{args.exp_name}__{args.seed}__{stamp}"
+    return Path("runs") / run_name(args, args.seed)
 
 
 def script_info() -> dict[str, str]:
     """Which file wrote a run: args.json records it, so that the tools in scripts/ load this
     file (or a renamed copy of it) to read the run."""
     return {"script": Path(__file__).name, "script_path": str(Path(__file__).resolve())}
+
+
+def git_info() -> dict[str, Any]:
+    """The commit of the git checkout this file lives in, and whether its tracked files differ
+    from it; empty outside a checkout, or without git. wandb's config records it."""
+    import subprocess
+
+    def git(*words: str) -> subprocess.CompletedProcess:
+        folder = Path(__file__).resolve().parent
+        return subprocess.run(["git", *words], cwd=folder, capture_output=True, text=True, timeout=10)
+
+    try:
+        commit, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+    except (OSError, subprocess.SubprocessError):  # no git, or it hangs
+        return {}
+    if commit.returncode != 0 or status.returncode != 0:
+        return {}
+    return {"git_commit": commit.stdout.strip(), "git_dirty": bool(status.stdout.strip())}
 
 
 def args_from_json(path: Path) -> Args:
@@ -1208,6 +1271,7 @@ def args_from_json(path: Path) -> Args:
         )
     for key in script_info():
         data.pop(key, None)
+    data["wandb_tags"] = tuple(data.get("wandb_tags", Args.wandb_tags))
     data["hidden_sizes"] = tuple(data.get("hidden_sizes", Args.hidden_sizes))
     return Args(**data)
 
@@ -1264,7 +1328,7 @@ def use_unrolled_threefry_on_cpu() -> None:
 
 # Args that may differ when a run is resumed: they change what is logged, not what is trained.
 RESUMABLE_FIELDS = (
-    "track", "wandb_project", "wandb_entity", "wandb_group", "wandb_mode", "run_dir",
+    "track", "wandb_project", "wandb_entity", "wandb_group", "wandb_tags", "wandb_run_per_seed", "wandb_mode", "run_dir",
     "log_every_cycles", "checkpoint_every_cycles", "keep_checkpoints", "resume", "exp_name",
 )
 
@@ -1491,26 +1555,10 @@ def run(args: Args) -> dict[str, Any]:
     else:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "args.json").write_text(json.dumps({**script_info(), **dataclasses.asdict(args)}, indent=2) + "\n")
-    wandb_run = None
-    if args.track:
-        import wandb
-
-        id_file = run_dir / "wandb_id.txt"
-        wandb_run = wandb.init(
-            project=args.wandb_project,
-            entity=args.wandb_entity,
-            group=args.wandb_group,
-            name=run_dir.name,
-            mode=args.wandb_mode,
-            dir=str(run_dir),
-            config=dataclasses.asdict(args),
-            id=id_file.read_text().strip() if id_file.exists() else None,
-            resume="allow",
-        )
-        id_file.write_text(wandb_run.id)
+    wandb_runs = start_wandb_runs(args, run_dir) if args.track else []
     print(f"run dir: {run_dir}  |  {args.num_cycles} cycles x {args.batch_size} env steps x {args.num_seeds} seeds", flush=True)
 
-    logger.start(start_cycle, wandb_run)
+    logger.start(start_cycle, wandb_runs)
     logging.getLogger("jax._src.debugging").addFilter(without_write_error_tracebacks)
     run_start = time.perf_counter()
     try:
@@ -1554,9 +1602,7 @@ def run(args: Args) -> dict[str, Any]:
     }
     (run_dir / "params.msgpack").write_bytes(flax.serialization.to_bytes(states.params))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if wandb_run is not None:
-        wandb_run.summary.update({key: value for key, value in summary.items() if value is not None})
-        wandb_run.finish()
+    finish_wandb_runs(args, wandb_runs, summary)
     print(
         f"done: {summary['sps']:,.0f} env steps/s, compile {compile_seconds:.1f} s, "
         f"final return {fmt(summary['final_episodic_return'])}",
@@ -1569,6 +1615,50 @@ def run(args: Args) -> dict[str, Any]:
             file=sys.stderr,
         )
     return summary
+
+
+def start_wandb_runs(args: Args, run_dir: Path) -> list[Any]:
+    """The wandb runs, seed 0's first: one per seed with --wandb-run-per-seed (named run_name,
+    its seed in the config), else one named after the run dir. Each config holds every arg,
+    the script and git_info; the group defaults to experiment_name. Each run's id is kept in
+    RUN_DIR (wandb_id.txt, or wandb_id_seed_<seed>.txt), so that --resume continues it."""
+    import wandb
+
+    config = {**dataclasses.asdict(args), **script_info(), **git_info()}
+    seeds = [args.seed + i for i in range(args.num_seeds)] if args.wandb_run_per_seed else [None]
+    wandb_runs = []
+    for seed in seeds:
+        id_file = run_dir / ("wandb_id.txt" if seed is None else f"wandb_id_seed_{seed}.txt")
+        resumed_id = id_file.read_text().strip() if id_file.exists() else None
+        name = run_dir.name if seed is None else run_name(args, seed)
+        wandb_run = wandb.init(
+            project=args.wandb_project,
+            entity=args.wandb_entity,
+            group=args.wandb_group or experiment_name(args),
+            tags=list(args.wandb_tags),
+            name=None if resumed_id and seed is not None else name,  # a resumed seed's run keeps its first name
+            mode=args.wandb_mode,
+            dir=str(run_dir),
+            config=config if seed is None else {**config, "seed": seed},
+            id=resumed_id,
+            resume="allow",
+            reinit="create_new",  # several runs at once in this process
+        )
+        id_file.write_text(wandb_run.id)
+        wandb_runs.append(wandb_run)
+    return wandb_runs
+
+
+def finish_wandb_runs(args: Args, wandb_runs: list[Any], summary: dict[str, Any]) -> None:
+    """The run summary into each wandb run (a per-seed run gets its seed's final return and
+    failure), then finish them."""
+    for index, wandb_run in enumerate(wandb_runs):
+        values = dict(summary)
+        if args.wandb_run_per_seed:
+            values["final_episodic_return"] = values.pop("final_episodic_return_per_seed")[index]
+            values["failure"] = values.pop("failures").get(args.seed + index)
+        wandb_run.summary.update({key: value for key, value in values.items() if value is not None})
+        wandb_run.finish()
 
 
 def peak_device_memory_mb() -> float | None:

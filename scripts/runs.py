@@ -27,7 +27,10 @@ from stats import finite_scores  # noqa: E402
 
 # args.json keys that never describe the experiment, left out of labels (`script_path` differs
 # between checkouts of the same script).
-NON_EXPERIMENT_ARGS = {"run_dir", "script_path", "track", "wandb_project", "wandb_entity", "wandb_group", "wandb_mode"}
+NON_EXPERIMENT_ARGS = {
+    "run_dir", "script_path", "track", "wandb_project", "wandb_entity", "wandb_group", "wandb_tags", "wandb_run_per_seed",
+    "wandb_mode",
+}
 
 
 # ======================================================================================

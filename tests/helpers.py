@@ -23,3 +23,44 @@ def run_script(
     is taken from the repo root ("ppo_mlp.py", "scripts/plot.py"), an absolute one as it is."""
     command = [sys.executable, str(ROOT / path_or_name), *arguments]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+
+
+def read_wandb_offline_run(folder: str | Path) -> dict:
+    """What an offline wandb run dir (RUN_DIR/wandb/offline-run-*) holds, read from its
+    run-<id>.wandb file: {"id", "name", "group", "tags", "config", "history" (one dict per
+    logged row), "summary"}, each value decoded from JSON. The file is a LevelDB-style log of
+    wandb's protobuf records: a 7-byte header, then 32 KiB blocks of chunks, each with a
+    7-byte header (checksum, little-endian length, kind: 1 whole, 2 first, 3 middle, 4 last)."""
+    import json
+
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = Path(folder).glob("run-*.wandb")
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", path
+    block_size, position, pending, records = 32768, 7, b"", []
+    while position + 7 <= len(data):
+        if block_size - position % block_size < 7:  # a block's zero-filled tail
+            position += block_size - position % block_size
+            continue
+        length, kind = int.from_bytes(data[position + 4 : position + 6], "little"), data[position + 6]
+        pending += data[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):
+            records.append(wandb_internal_pb2.Record.FromString(pending))
+            pending = b""
+
+    def items(updates) -> dict:
+        return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in updates}
+
+    run = {"history": [], "summary": {}}
+    for record in records:
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            run.update(id=record.run.run_id, name=record.run.display_name, group=record.run.run_group,
+                       tags=list(record.run.tags), config=items(record.run.config.update))
+        elif kind == "history":
+            run["history"].append(items(record.history.item))
+        elif kind == "summary":
+            run["summary"].update(items(record.summary.update))
+    return run

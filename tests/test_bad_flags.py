@@ -46,6 +46,12 @@ COMMON = [
     (["--num-devices", "-1"], "--num-devices"),
     (["--num-devices", "64"], "--num-devices"),  # more than this machine has
     (["--wandb-mode", "loud"], "--wandb-mode"),
+    (["--wandb-project", "team/project"], "--wandb-project"),
+    (["--wandb-project", ""], "--wandb-project"),
+    (["--wandb-group", " "], "--wandb-group"),
+    (["--wandb-group", "g" * 129], "--wandb-group"),
+    (["--wandb-tags", "ok", ""], "--wandb-tags"),
+    (["--wandb-tags", "t" * 65], "--wandb-tags"),
     (["--log-every-cycles", "-1"], "--log-every-cycles"),
     (["--checkpoint-every-cycles", "0"], "--checkpoint-every-cycles"),
     (["--checkpoint-every-cycles", "often"], "--checkpoint-every-cycles"),

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import ppo_mlp
-from helpers import run_script
+from helpers import read_wandb_offline_run, run_script
 from reference import gae_reference, ppo_loss_reference
 
 SCRIPT = Path(ppo_mlp.__file__)
@@ -376,11 +376,18 @@ def test_track_offline_writes_a_wandb_run_with_the_metrics(tmp_path):
         "--run-dir", str(run_dir),
     )
     assert result.returncode == 0, result.stderr
-    wandb_files = list(run_dir.glob("wandb/offline-run-*/run-*.wandb"))
-    assert len(wandb_files) == 1
-    content = wandb_files[0].read_bytes()
-    for name in [b"charts/episodic_return", b"losses/actor_approxkl3", b"charts/SPS", b"seed_2/losses/value_loss"]:
-        assert name in content, name
+    (folder,) = run_dir.glob("wandb/offline-run-*")  # one run for every seed
+    run = read_wandb_offline_run(folder)
+    assert run["name"] == "tracked" and run["group"] == "CartPole-v1__ppo_mlp" and run["tags"] == []
+    assert run["config"]["seed"] == 1 and run["config"]["script"] == "ppo_mlp.py" and "git_commit" in run["config"]
+    assert (run_dir / "wandb_id.txt").read_text() == run["id"]
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for logged in run["history"]:
+        seed_rows = [row for row in rows if row["env_steps"] == logged["global_step"]]
+        for name in ["charts/episodic_return", "losses/actor_approxkl3", "losses/value_loss"]:
+            assert [logged[f"seed_{row['seed']}/{name}"] for row in seed_rows] == [row[name] for row in seed_rows]
+            assert logged[name] == pytest.approx(np.mean([row[name] for row in seed_rows]))
+        assert "charts/SPS" in logged
 
 
 # --------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 from helpers import run_script
 
 
@@ -23,9 +24,35 @@ def test_benchmark_rejects_an_unknown_config():
     assert result.returncode == 2 and "--configs" in result.stderr
 
 
-def test_profile_cycle_splits_a_cycle_and_compares_with_the_bare_network():
-    result = run_script("scripts/profile_cycle.py", "--script", "ppo_mlp.py", "--cycles", "2", "--repeats", "1", timeout=300)
+PROFILE_TINY = {
+    "ppo_mlp.py": ["--num-parallel-envs", "4", "--num-env-steps-per-cycle", "8", "--num-minibatches-per-epoch", "2",
+                   "--num-epochs-per-cycle", "2"],
+    "ppo_lstm_impala.py": ["--env-id", "probe_envs:Memory", "--impala-channels", "4", "--torso-size", "16", "--lstm-size", "16",
+                           "--num-parallel-envs", "4", "--num-env-steps-per-cycle", "10", "--num-minibatches-per-epoch", "2",
+                           "--num-epochs-per-cycle", "2"],
+}
+
+
+@pytest.mark.parametrize("script", sorted(PROFILE_TINY))
+def test_profile_cycle_prints_each_standalone_part_their_sum_the_cycle_and_the_ratio(script):
+    result = run_script("scripts/profile_cycle.py", "--script", script, "--part-calls", "2", "--", *PROFILE_TINY[script],
+                        timeout=300)
     assert result.returncode == 0, result.stderr
-    for row in ["| cycle |", "| rollout + GAE |", "| update (epochs x minibatches) |", "| bare network"]:
-        assert row in result.stdout, row
-    assert "overhead of the loop" in result.stdout
+    rows = {line.split(" | ")[0].strip("| "): line for line in result.stdout.splitlines() if line.startswith("| ")}
+    milliseconds = {name: float(line.rstrip(" |").rsplit("| ", 1)[1]) for name, line in rows.items() if name[:1] in "(sfr"}
+    envs, steps, updates = (4, 8, 4) if script == "ppo_mlp.py" else (4, 10, 4)
+    assert f"one policy forward on {envs} observations x {steps}" in rows["(a) rollout forwards"]
+    assert f"one env.step vmapped over {envs} envs x {steps}" in rows["(a) env steps"]
+    assert f"the batched forward over the {envs * steps} transitions x 1" in rows["(b) post-rollout forward"]
+    assert f"value_and_grad of loss_fn on {envs * steps // 2} transitions x {updates}" in rows["(c) minibatch fwd+bwd"]
+    parts = [value for name, value in milliseconds.items() if name.startswith("(")]
+    assert len(parts) == 4 and all(value > 0 for value in parts)
+    assert milliseconds["sum of parts"] == pytest.approx(sum(parts), abs=0.2)  # printed to 0.1 ms
+    ratio = milliseconds["full cycle"] / milliseconds["sum of parts"]
+    assert milliseconds["ratio cycle / sum of parts"] == pytest.approx(ratio, rel=0.05, abs=0.01)
+
+
+def test_profile_cycle_refuses_bad_flags():
+    result = run_script("scripts/profile_cycle.py", "--script", "ppo_mlp.py", "--", "--num-minibatches-per-epoch", "7",
+                        timeout=120)
+    assert result.returncode == 2 and "--num-minibatches-per-epoch" in result.stderr

@@ -1,0 +1,114 @@
+"""wandb, offline, in both scripts: one run per seed (--wandb-run-per-seed) with the seed, the
+script and the git commit in its config, the group and tags; each seed's run logs exactly that
+seed's rows of metrics.jsonl under the plain names; --resume continues the same runs; and
+git_info outside a git checkout or without git. (The default layout, one run with seed_<n>/
+keys, is tested in test_ppo_mlp.py.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ppo_mlp
+from helpers import ROOT, read_wandb_offline_run, run_script
+
+# 4 cycles of 2 seeds each, checkpointed every cycle.
+TINY = {
+    "ppo_mlp.py": ["--num-parallel-envs", "4", "--num-env-steps-per-cycle", "16", "--num-total-env-steps", "256"],
+    "ppo_lstm_impala.py": ["--env-id", "probe_envs:Memory", "--impala-channels", "4", "--torso-size", "16",
+                           "--lstm-size", "16", "--num-parallel-envs", "4", "--num-env-steps-per-cycle", "10",
+                           "--num-minibatches-per-epoch", "2", "--num-total-env-steps", "160"],
+}
+TRACK = ["--num-seeds", "2", "--checkpoint-every-cycles", "1", "--track", "--wandb-mode", "offline"]
+
+
+def offline_runs(run_dir: Path) -> list[dict]:
+    return [read_wandb_offline_run(folder) for folder in sorted(run_dir.glob("wandb/offline-run-*"))]
+
+
+def metrics_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def head_commit() -> str:
+    return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def per_seed_run(tmp_path_factory):
+    """per_seed_run(script) -> the run dir of one finished TINY run with --wandb-run-per-seed,
+    seeds 7 and 8 (made once; copy it before changing anything)."""
+    run_dirs = {}
+
+    def finished_run(script: str) -> Path:
+        if script not in run_dirs:
+            run_dir = tmp_path_factory.mktemp("per_seed") / Path(script).stem
+            result = run_script(script, *TINY[script], *TRACK, "--wandb-run-per-seed", "--wandb-tags", "tiny", "per seed",
+                                "--exp-name", "probe", "--seed", "7", "--run-dir", str(run_dir))
+            assert result.returncode == 0, result.stderr
+            run_dirs[script] = run_dir
+        return run_dirs[script]
+
+    return finished_run
+
+
+@pytest.mark.parametrize("script", sorted(TINY))
+def test_one_wandb_run_per_seed_logs_that_seeds_rows_under_plain_names(script, per_seed_run):
+    run_dir = per_seed_run(script)
+    runs = sorted(offline_runs(run_dir), key=lambda run: run["config"]["seed"])
+    assert [run["config"]["seed"] for run in runs] == [7, 8]
+    env_name = "probe_envs_Memory" if script == "ppo_lstm_impala.py" else "CartPole-v1"
+    rows = metrics_rows(run_dir)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for index, (seed, run) in enumerate(zip([7, 8], runs)):
+        assert (run_dir / f"wandb_id_seed_{seed}.txt").read_text() == run["id"]
+        assert run["name"].startswith(f"{env_name}__probe__{seed}__")
+        assert run["group"] == f"{env_name}__probe"
+        assert run["tags"] == ["tiny", "per seed"]
+        assert run["config"]["script"] == script and run["config"]["num_seeds"] == 2
+        assert run["config"]["git_commit"] == head_commit() and isinstance(run["config"]["git_dirty"], bool)
+        assert run["config"]["wandb_tags"] == ["tiny", "per seed"]  # every arg is in the config
+        seed_rows = [row for row in rows if row["seed"] == seed]
+        assert len(run["history"]) == len(seed_rows) == 4
+        for logged, row in zip(run["history"], seed_rows):
+            assert logged["global_step"] == logged["_step"] == row["env_steps"]
+            assert not any(name.startswith("seed_") for name in logged)
+            expected = {name: value for name, value in row.items() if name not in ("cycle", "env_steps", "seed") and value is not None}
+            assert {name: logged[name] for name in expected} == expected  # the same floats, exactly
+        assert run["summary"]["final_episodic_return"] == summary["final_episodic_return_per_seed"][index]
+
+
+def test_resume_continues_each_seeds_wandb_run(tmp_path, per_seed_run):
+    run_dir = tmp_path / "resumed"
+    shutil.copytree(per_seed_run("ppo_mlp.py"), run_dir)
+    ids = {seed: (run_dir / f"wandb_id_seed_{seed}.txt").read_text() for seed in (7, 8)}
+    for name in ["summary.json", "params.msgpack", "checkpoint-4.npz"]:  # as if killed after cycle 3's checkpoint
+        (run_dir / name).unlink()
+    shutil.rmtree(run_dir / "wandb")
+    result = run_script("ppo_mlp.py", "--resume", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    runs = offline_runs(run_dir)
+    assert {run["config"]["seed"]: run["id"] for run in runs} == ids
+    assert {(run_dir / f"wandb_id_seed_{seed}.txt").read_text() for seed in (7, 8)} == set(ids.values())
+    for run in runs:  # only the cycle after the checkpoint was logged again
+        assert [logged["global_step"] for logged in run["history"]] == [256]
+
+
+def test_git_info_is_empty_outside_a_checkout_and_without_git(tmp_path, monkeypatch):
+    assert ppo_mlp.git_info()["git_commit"] == head_commit()
+    copy = tmp_path / "ppo_mlp_copy.py"
+    shutil.copy(ROOT / "ppo_mlp.py", copy)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # git must not look above tmp_path
+    spec = importlib.util.spec_from_file_location("ppo_mlp_copy", copy)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "ppo_mlp_copy", module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    assert module.git_info() == {}
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert ppo_mlp.git_info() == {}
