@@ -555,10 +555,8 @@ def loss_fn(params: Any, batch: Batch, clip_eps: jax.Array, network: ActorCritic
 
 
 # Metrics averaged over every minibatch applied in a cycle: the loss's, and the gradient norm.
-MINIBATCH_METRIC_NAMES = (
-    "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/actor_clipfrac", "losses/critic_clipfrac",
-    "losses/actor_approxkl1", "losses/actor_approxkl3", "losses/grad_norm",
-)
+MINIBATCH_METRIC_NAMES = ("losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/actor_clipfrac",
+                          "losses/critic_clipfrac", "losses/actor_approxkl1", "losses/actor_approxkl3", "losses/grad_norm")
 
 
 def annealed(value: float, anneal: bool, num_steps: int) -> optax.Schedule:
@@ -582,8 +580,7 @@ def minibatch_update(
     """One gradient step, skipped once --target-kl is exceeded (measured before this step, on this
     minibatch). A non-finite loss or gradient is recorded in `non_finite`; the NaN guard then undoes
     the whole cycle. Under shard_map the gradients, loss and metrics are averaged over devices."""
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    (loss, metrics), grads = grad_fn(carry.params, minibatch, clip_eps, network, args, axis_name)
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(carry.params, minibatch, clip_eps, network, args, axis_name)
     loss, metrics, grads = mean_over_devices((loss, metrics, grads), axis_name)
     metrics["losses/grad_norm"] = optax.tree.norm(grads)  # before clipping
     updates, opt_state = optimizer.update(grads, carry.opt_state, carry.params)
@@ -680,10 +677,8 @@ def update_cycle(
 
 
 # Logged every cycle (charts/SPS is added on the host), then the env's own env/<name> metrics.
-METRIC_NAMES = (
-    "charts/episodic_return", "charts/episodic_length", "charts/learning_rate", "charts/clip_eps",
-    *MINIBATCH_METRIC_NAMES, "losses/explained_variance", "losses/epochs_run",
-)
+METRIC_NAMES = ("charts/episodic_return", "charts/episodic_length", "charts/learning_rate", "charts/clip_eps",
+                *MINIBATCH_METRIC_NAMES, "losses/explained_variance", "losses/epochs_run")
 
 
 def reset_envs(key: jax.Array, env: Any, env_params: Any, num_envs: int, args: Args) -> EnvCarry:
@@ -753,14 +748,13 @@ def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | 
     one `lax.scan`, meant to be jitted. log_fn, checkpoint_fn and video_fn are host callbacks."""
     network = make_network(args, env.action_space(env_params).n)
     optimizer = make_optimizer(args)
-    obs_shape = stacked_obs_shape(env, env_params, args.frame_stack)
     info_names = env_info_names(env, env_params)  # the env's own episode metrics, logged as env/<name>
     metric_names = METRIC_NAMES + env_metric_names(info_names)
 
     @jax.jit
     def init_one(key: jax.Array) -> TrainState:
         key, params_key, env_key = jax.random.split(key, 3)
-        params = init_params(network, params_key, args, obs_shape)
+        params = init_params(network, params_key, args, stacked_obs_shape(env, env_params, args.frame_stack))
         env_carry = reset_envs(env_key, env, env_params, args.num_parallel_envs, args)
         zero = jnp.int32(0)
         return TrainState(params, optimizer.init(params), env_carry, key, cycle=zero, non_finite=zero, non_finite_cycle=zero)
@@ -1335,7 +1329,9 @@ def eval_step(params: Any, carry: EvalCarry, network: ActorCritic, env: Any, env
     return EvalCarry(env_carry, carry.finished | done, key, carry.num_steps + 1)
 
 
-def evaluate_policy(params: Any, key: jax.Array, network: ActorCritic, env: Any, env_params: Any, args: Args) -> dict[str, jax.Array]:
+def evaluate_policy(
+    params: Any, key: jax.Array, network: ActorCritic, env: Any, env_params: Any, args: Args
+) -> dict[str, jax.Array]:
     """--eval-episodes fresh envs play with `params` until each has finished its first episode,
     or max_eval_steps. Returns eval/episodic_return and eval/episodic_length: their means over
     the finished episodes (NaN when none finished)."""
