@@ -1264,8 +1264,8 @@ def nanmean_or_nan(x: jax.Array, axis_name: str | None = None) -> jax.Array:
 # --eval-episodes episodes with its current params, inside the jit, on fresh envs of its own and
 # with keys folded from TrainState.key (never split from it), so training runs bit for bit as
 # without evaluation. --capture-video: at those cycles (only the last one without
-# --eval-every-cycles) seed 0's params and evaluation key go to a host callback, which replays
-# the episode of its first eval env and writes RUN_DIR/videos/cycle-<n>.gif.
+# --eval-every-cycles) the episode of seed 0's first eval env is played once more inside the jit,
+# recorded step by step, and sent to a host callback that writes RUN_DIR/videos/cycle-<n>.gif.
 
 EVAL_METRIC_NAMES = ("eval/episodic_return", "eval/episodic_length")
 EVAL_KEY_TAG = 0x6576616C  # folded into TrainState.key ("eval"): the evaluation's own random stream
@@ -1353,8 +1353,8 @@ def with_evaluation(
     args: Args, video_fn: Callable | None,
 ) -> tuple[Callable, tuple[str, ...]]:
     """The cycle, then on the cycles that are evaluation_due: evaluate_policy for every seed
-    (eval/* metrics, NaN on the other cycles), and video_fn(cycle, seed 0's params, its
-    evaluation key data). Also returns the metric names with eval/* appended. Outside shard_map:
+    (eval/* metrics, NaN on the other cycles), and record_video_episode of seed 0, sent to
+    video_fn(cycle, env states, frames, done). Also returns the metric names with eval/* appended. Outside shard_map:
     with several devices the evaluation is one replicated computation, the same on each."""
     names = eval_metric_names(args)
     if not names and video_fn is None:
@@ -1368,7 +1368,8 @@ def with_evaluation(
         keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(states.key, EVAL_KEY_TAG)  # TrainState.key is not consumed
         if video_fn is not None:
             seed_0_params = jax.tree.map(lambda x: x[0], states.params)
-            jax.debug.callback(video_fn, states.cycle[0], seed_0_params, jax.random.key_data(keys[0]))
+            video = record_video_episode(seed_0_params, keys[0], network, env, env_params, args)
+            jax.debug.callback(video_fn, states.cycle[0], *video)
         return evaluate_every_seed(states.params, keys) if names else {}
 
     def no_evaluation(states: TrainState) -> dict[str, jax.Array]:
@@ -1392,19 +1393,23 @@ CHANNEL_COLOURS = [
 ]
 
 
-def play_video_episode(params: Any, key: jax.Array, network: ActorCritic, env: Any, env_params: Any, args: Args):
-    """The episode of evaluate_policy's first env for this key (the same episode, up to floating
-    point differences between devices), over VIDEO_MAX_FRAMES steps: per step the env state
-    before it, the frame shown (the newest of the stack), and whether the first episode has ended."""
-    channels = env.observation_space(env_params).shape[-1]
+def record_video_episode(params: Any, key: jax.Array, network: ActorCritic, env: Any, env_params: Any, args: Args):
+    """The episode of evaluate_policy's first env for this key, step by step as it plays there,
+    until it ends or for VIDEO_MAX_FRAMES steps: (VIDEO_MAX_FRAMES, ...) arrays of the env state
+    before each step, the frame shown (the newest of the stack) and whether the episode has ended (zeros after its end)."""
+    channels = env.observation_space(env_params).shape[-1]  # of one frame
+    first_env = lambda carry: (jax.tree.map(lambda x: x[0], carry.env.env_state), carry.env.obs[0, ..., -channels:])  # noqa: E731
+    carry = start_evaluation(key, env, env_params, args)
+    buffers = jax.tree.map(lambda x: jnp.zeros((VIDEO_MAX_FRAMES, *x.shape), x.dtype), (*first_env(carry), carry.finished[0]))
 
-    def step(carry: EvalCarry, _):
+    def step(loop: tuple[EvalCarry, Any]) -> tuple[EvalCarry, Any]:
+        carry, buffers = loop
         new_carry = eval_step(params, carry, network, env, env_params, args)
-        frame = carry.env.obs[0, ..., -channels:]
-        return new_carry, (jax.tree.map(lambda x: x[0], carry.env.env_state), frame, new_carry.finished[0])
+        recorded = (*first_env(carry), new_carry.finished[0])
+        return new_carry, jax.tree.map(lambda buffer, x: buffer.at[carry.num_steps].set(x), buffers, recorded)
 
-    _, recorded = jax.lax.scan(step, start_evaluation(key, env, env_params, args), None, length=VIDEO_MAX_FRAMES)
-    return recorded
+    running = lambda loop: ~loop[0].finished[0] & (loop[0].num_steps < VIDEO_MAX_FRAMES)  # noqa: E731
+    return jax.lax.while_loop(running, step, (carry, buffers))[1]
 
 
 def minatar_image(frame) -> Any:
@@ -1473,36 +1478,47 @@ def write_gif(path: Path, states: Any, frames: Any, done: Any, render: Callable)
     done = np.asarray(done)
     length = int(np.argmax(done)) + 1 if done.any() else done.shape[0]
     images = [render(jax.tree.map(lambda x: x[t], states), frames[t]) for t in range(length)]
+    images = to_one_palette(images)
     path.parent.mkdir(parents=True, exist_ok=True)
     images[0].save(path, save_all=True, append_images=images[1:], duration=GIF_FRAME_MS, loop=0)
     return length
 
 
-class VideoRecorder:
-    """Host side of the video callback (--capture-video): RUN_DIR/videos/cycle-<n>.gif of seed 0's
-    first evaluation episode, also logged to wandb by the logger. The episode is replayed by a
-    small jitted function on the CPU: a computation started on the accelerator from inside a
-    callback could wait for the very program that waits for the callback. Training waits while
-    a video is written; a failed write is a warning."""
+def to_one_palette(images: list[Any]) -> list[Any]:
+    """RGB images -> palette images sharing one palette of every colour they use (our drawings
+    use a handful; beyond GIF's 256, the first 256). Pillow would otherwise build a palette for
+    each frame: 30 times slower (15 s for a 500-step CartPole episode on a 2-core VM)."""
+    from PIL import Image
 
-    def __init__(self, args: Args, env: Any, env_params: Any, render: Callable, run_dir: Path, logger: MetricsLogger):
-        network = make_network(args, env.action_space(env_params).n)
-        self.episode = jax.jit(lambda params, key: play_video_episode(params, key, network, env, env_params, args))
+    colours = sorted({colour for image in images for _, colour in image.getcolors(maxcolors=256) or []})[:256]
+    if not colours:  # a frame of more than 256 colours: one adaptive palette, from the first frame
+        palette = images[0].quantize(colors=256)
+    else:
+        palette = Image.new("P", (1, 1))
+        palette.putpalette([channel for colour in colours for channel in colour])
+    return [image.quantize(palette=palette, dither=Image.Dither.NONE) for image in images]
+
+
+class VideoRecorder:
+    """Host side of the video callback (--capture-video): draws the steps recorded inside the jit
+    (record_video_episode) into RUN_DIR/videos/cycle-<n>.gif, and has the logger send it to
+    wandb. No JAX computation runs here: one started from inside a callback could wait for the
+    very program that waits for the callback. Training waits while a GIF is drawn; a failed
+    write is a warning."""
+
+    def __init__(self, render: Callable, run_dir: Path, logger: MetricsLogger):
         self.render = render
         self.video_dir = run_dir / "videos"
         self.logger = logger
         self.last_cycle = -1
 
-    def __call__(self, cycle: Any, params: Any, key_data: Any) -> None:
+    def __call__(self, cycle: Any, states: Any, frames: Any, done: Any) -> None:
         if jax.process_index() != 0 or int(cycle) <= self.last_cycle:  # one writer; each cycle once
             return
         self.last_cycle = int(cycle)
-        cpu = jax.devices("cpu")[0]
-        key = jax.random.wrap_key_data(jax.device_put(np.asarray(key_data), cpu))
-        states, frames, done = jax.tree.map(np.asarray, self.episode(jax.device_put(params, cpu), key))
         path = self.video_dir / f"cycle-{self.last_cycle}.gif"
         try:
-            write_gif(path, states, frames, done, self.render)
+            write_gif(path, jax.tree.map(np.asarray, states), np.asarray(frames), np.asarray(done), self.render)
         except OSError as error:
             print(f"warning: --capture-video: cannot write {path} ({error}); training goes on", file=sys.stderr)
             return
@@ -1523,7 +1539,7 @@ def make_video_recorder(args: Args, env: Any, env_params: Any, run_dir: Path, lo
         print(f"warning: --capture-video: cannot draw {args.env_id} (supported: *-MinAtar, CartPole-v1, Acrobot-v1); "
               "training goes on without videos", file=sys.stderr)
         return None
-    return VideoRecorder(args, env, env_params, render, run_dir, logger)
+    return VideoRecorder(render, run_dir, logger)
 
 
 # --- host callbacks: metrics rows and checkpoints leave the jit ---------------------------

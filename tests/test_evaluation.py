@@ -18,6 +18,7 @@ from helpers import run_script
 
 import ppo_lstm_impala
 import ppo_mlp
+import probe_envs
 
 MODULES = {"ppo_mlp": ppo_mlp, "ppo_lstm_impala": ppo_lstm_impala}
 TINY = {  # three cycles each
@@ -43,15 +44,17 @@ def test_evaluation_on_and_off_train_bit_for_bit_the_same(name):
     """With evaluation (and the video callback) the final params and every training metric are
     exactly those of a run without: the evaluation consumes none of training's keys or envs. The
     eval metrics are finite at cycles 2 and 3 (every 2nd, and the last) and NaN at cycle 1; the
-    video callback gets seed 0's params at those cycles, or at the last one alone without eval.
+    video callback gets an episode at those cycles, or at the last one alone without eval: one
+    step long in ActionDependentReward, DELAY + 2 steps in Memory.
     ppo_mlp.py trains ActionDependentReward (action 0 pays 1, action 1 pays -1): after these three
     cycles its greedy evaluation reaches the optimum, exactly 1 in every episode."""
     module = MODULES[name]
     off_args = module.Args(**TINY[name])
     on_args = module.Args(**TINY[name], eval_every_cycles=2, eval_episodes=3, eval_greedy=name == "ppo_mlp")
     videos = {"off": [], "on": []}
-    off_states, off_metrics = train(module, off_args, lambda cycle, params, key: videos["off"].append(int(cycle)))
-    on_states, on_metrics = train(module, on_args, lambda cycle, params, key: videos["on"].append((int(cycle), params)))
+    record = lambda run: lambda cycle, states, frames, done: videos[run].append((int(cycle), np.asarray(done)))  # noqa: E731
+    off_states, off_metrics = train(module, off_args, record("off") if name == "ppo_mlp" else None)  # (compile time)
+    on_states, on_metrics = train(module, on_args, record("on"))
 
     for off_leaf, on_leaf in zip(jax.tree.leaves(off_states.params), jax.tree.leaves(on_states.params), strict=True):
         np.testing.assert_array_equal(off_leaf, on_leaf)
@@ -66,10 +69,11 @@ def test_evaluation_on_and_off_train_bit_for_bit_the_same(name):
 
     if name == "ppo_mlp":
         assert (on_metrics["eval/episodic_return"][-1] == 1.0).all() and (on_metrics["eval/episodic_length"][-1] == 1.0).all()
-    assert videos["off"] == [3]
+    episode_length = 1 if name == "ppo_mlp" else probe_envs.Memory.DELAY + 2
+    assert [cycle for cycle, _ in videos["off"]] == ([3] if name == "ppo_mlp" else [])
     assert [cycle for cycle, _ in videos["on"]] == [2, 3]
-    for leaf, video_leaf in zip(jax.tree.leaves(on_states.params), jax.tree.leaves(videos["on"][-1][1]), strict=True):
-        np.testing.assert_array_equal(leaf[0], video_leaf)  # seed 0's final params
+    for _, done in videos["off"] + videos["on"]:
+        assert done.shape == (module.VIDEO_MAX_FRAMES,) and np.flatnonzero(done).tolist() == [episode_length - 1]
 
 
 def hand_set_params(module, args, env, env_params, actor_bias):
@@ -188,13 +192,14 @@ def test_capture_video_writes_the_evaluation_episode_and_logs_it_to_offline_wand
     assert len(media) == 2, list(Path(run_dir / "wandb").rglob("*"))
 
 
-def test_capture_video_of_an_env_without_a_renderer_warns_once_and_trains(tmp_path):
-    run_dir = tmp_path / "probe"
-    result = run_script(
-        "ppo_mlp.py", "--env-id", "probe_envs:ConstantReward", "--num-total-env-steps", "512", "--capture-video",
-        "--run-dir", str(run_dir), timeout=300,
-    )
-    assert result.returncode == 0, result.stderr
-    warnings = [line for line in result.stderr.splitlines() if "warning" in line]
-    assert len(warnings) == 1 and "--capture-video: cannot draw probe_envs:ConstantReward" in warnings[0]
-    assert (run_dir / "summary.json").exists() and not (run_dir / "videos").exists()
+def test_capture_video_of_an_env_without_a_renderer_warns_once_and_records_nothing(tmp_path, capsys):
+    """No renderer: one warning line and no video callback, so training runs as without the flag."""
+    args = ppo_mlp.Args(env_id="probe_envs:ConstantReward", capture_video=True)
+    env, env_params = ppo_mlp.make_env(args.env_id)
+    logger = ppo_mlp.MetricsLogger(args, tmp_path)
+    assert ppo_mlp.make_video_recorder(args, env, env_params, tmp_path, logger) is None
+    warnings = capsys.readouterr().err.strip().splitlines()
+    assert len(warnings) == 1 and "warning: --capture-video: cannot draw probe_envs:ConstantReward" in warnings[0]
+    assert not (tmp_path / "videos").exists()
+    cartpole = ppo_mlp.Args(capture_video=True)
+    assert isinstance(ppo_mlp.make_video_recorder(cartpole, *ppo_mlp.make_env(cartpole.env_id), tmp_path, logger), ppo_mlp.VideoRecorder)
