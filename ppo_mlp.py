@@ -98,6 +98,10 @@ class Args:
     wandb_mode: Literal["online", "offline", "disabled"] = "online"  # offline: RUN_DIR/wandb, for `wandb sync`
     run_dir: str | None = None  # output folder; default runs/<env>__<exp-name>__<seed>__<time>
     log_every_cycles: int = 1  # write metrics every this many cycles (the last cycle is always written)
+    eval_every_cycles: int | None = None  # evaluate every K cycles and at the last, on fresh envs (eval/*); None: off
+    eval_episodes: int = 10  # episodes per evaluation and seed: one per fresh env, in parallel
+    eval_greedy: bool = True  # evaluate the argmax of the masked logits; off: sample, as in training
+    capture_video: bool = False  # a GIF of seed 0's first eval episode at each evaluation and at the end (RUN_DIR/videos)
     checkpoint_every_cycles: int | None = None  # save the full training state; default: every 10% of the run
     keep_checkpoints: int = 2  # keep the newest N checkpoints; --resume falls back past a damaged one
     resume: str | None = None  # continue this run dir from its last checkpoint; only logging flags may change
@@ -366,10 +370,8 @@ def loss_fn(params: Any, batch: Batch, clip_eps: jax.Array, network: ActorCritic
 
 
 # Metrics averaged over every minibatch applied in a cycle: the loss's, and the gradient norm.
-MINIBATCH_METRIC_NAMES = (
-    "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/actor_clipfrac", "losses/critic_clipfrac",
-    "losses/actor_approxkl1", "losses/actor_approxkl3", "losses/grad_norm",
-)
+MINIBATCH_METRIC_NAMES = ("losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/actor_clipfrac",
+                          "losses/critic_clipfrac", "losses/actor_approxkl1", "losses/actor_approxkl3", "losses/grad_norm")
 
 
 def annealed(value: float, anneal: bool, num_steps: int) -> optax.Schedule:
@@ -393,8 +395,7 @@ def minibatch_update(
     """One gradient step, skipped once --target-kl is exceeded (measured before this step, on this
     minibatch). A non-finite loss or gradient is recorded in `non_finite`; the NaN guard then undoes
     the whole cycle. Under shard_map the gradients, loss and metrics are averaged over devices."""
-    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-    (loss, metrics), grads = grad_fn(carry.params, minibatch, clip_eps, network, args, axis_name)
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(carry.params, minibatch, clip_eps, network, args, axis_name)
     loss, metrics, grads = mean_over_devices((loss, metrics, grads), axis_name)
     metrics["losses/grad_norm"] = optax.tree.norm(grads)  # before clipping
     updates, opt_state = optimizer.update(grads, carry.opt_state, carry.params)
@@ -447,10 +448,8 @@ def update_cycle(
 
 
 # Logged every cycle (charts/SPS is added on the host), then the env's own env/<name> metrics.
-METRIC_NAMES = (
-    "charts/episodic_return", "charts/episodic_length", "charts/learning_rate", "charts/clip_eps",
-    *MINIBATCH_METRIC_NAMES, "losses/explained_variance", "losses/epochs_run",
-)
+METRIC_NAMES = ("charts/episodic_return", "charts/episodic_length", "charts/learning_rate", "charts/clip_eps",
+                *MINIBATCH_METRIC_NAMES, "losses/explained_variance", "losses/epochs_run")
 
 
 def reset_envs(key: jax.Array, env: Any, env_params: Any, num_envs: int) -> EnvCarry:
@@ -507,20 +506,19 @@ def train_cycle(
     return new_state, metrics
 
 
-def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | None = None):
+def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | None = None, video_fn: Callable | None = None):
     """Returns init(seed) -> TrainState of one seed, and train(states, log_fn, checkpoint_fn,
     start_cycle) -> (states, metrics (cycles, seeds)): the remaining cycles of a stack of seeds in
-    one `lax.scan`, meant to be jitted. log_fn and checkpoint_fn are host callbacks."""
+    one `lax.scan`, meant to be jitted. log_fn, checkpoint_fn and video_fn are host callbacks."""
     network = make_network(args, env.action_space(env_params).n)
     optimizer = make_optimizer(args)
-    obs_shape = env.observation_space(env_params).shape
     info_names = env_info_names(env, env_params)  # the env's own episode metrics, logged as env/<name>
     metric_names = METRIC_NAMES + env_metric_names(info_names)
 
     @jax.jit
     def init_one(key: jax.Array) -> TrainState:
         key, params_key, env_key = jax.random.split(key, 3)
-        params = init_params(network, params_key, args, obs_shape)
+        params = init_params(network, params_key, args, env.observation_space(env_params).shape)
         env_carry = reset_envs(env_key, env, env_params, args.num_parallel_envs)
         zero = jnp.int32(0)
         return TrainState(params, optimizer.init(params), env_carry, key, cycle=zero, non_finite=zero, non_finite_cycle=zero)
@@ -532,6 +530,7 @@ def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | 
     one_seed = lambda state: train_cycle(state, network, optimizer, env, env_params, args, axis_name, info_names)  # noqa: E731
     every_seed = skip_when_every_seed_failed(vmap_over_seeds(one_seed, args.num_seeds), metric_names)
     one_cycle = every_seed if mesh is None else shard_over_devices(every_seed, mesh)
+    one_cycle, metric_names = with_evaluation(one_cycle, metric_names, network, env, env_params, args, video_fn)  # eval/*
 
     def train(states: TrainState, log_fn: Callable | None = None, checkpoint_fn: Callable | None = None, start_cycle: int = 0):
         def cycle_body(carry, _):
@@ -569,6 +568,7 @@ def validate_args(args: Args) -> None:
         "num_minibatches_per_epoch",
         "log_every_cycles",
         "keep_checkpoints",
+        "eval_episodes",
     ]
     for name in positive_ints:
         if getattr(args, name) <= 0:
@@ -596,6 +596,8 @@ def validate_args(args: Args) -> None:
     for name in ["gamma", "gae_lambda"]:
         if not 0 <= getattr(args, name) <= 1:
             raise ConfigError(f"{flag(name)} must be in [0, 1], got {getattr(args, name)}")
+    if args.eval_every_cycles is not None and args.eval_every_cycles <= 0:
+        raise ConfigError(f"--eval-every-cycles must be a positive integer, got {args.eval_every_cycles}")
     if args.checkpoint_every_cycles is not None and args.checkpoint_every_cycles <= 0:
         raise ConfigError(f"--checkpoint-every-cycles must be a positive integer, got {args.checkpoint_every_cycles}")
     if args.target_kl is not None and not 0 < args.target_kl < math.inf:
@@ -1021,6 +1023,282 @@ def nanmean_or_nan(x: jax.Array, axis_name: str | None = None) -> jax.Array:
     return jnp.where(count > 0, total / jnp.maximum(count, 1), jnp.nan)
 
 
+# --- evaluation and videos -----------------------------------------------------------------
+# --eval-every-cycles K: after every K-th cycle and after the last, each seed plays
+# --eval-episodes episodes with its current params, inside the jit, on fresh envs of its own and
+# with keys folded from TrainState.key (never split from it), so training runs bit for bit as
+# without evaluation. --capture-video: at those cycles (only the last one without
+# --eval-every-cycles) the episode of seed 0's first eval env is played once more inside the jit,
+# recorded step by step, and sent to a host callback that writes RUN_DIR/videos/cycle-<n>.gif.
+
+EVAL_METRIC_NAMES = ("eval/episodic_return", "eval/episodic_length")
+EVAL_KEY_TAG = 0x6576616C  # folded into TrainState.key ("eval"): the evaluation's own random stream
+DEFAULT_MAX_STEPS = 10_000  # episode cap of the evaluation for envs whose params have no max_steps_in_episode
+
+
+class EvalCarry(NamedTuple):
+    """What the evaluation's steps carry. In `env`, episode_return and episode_length are those
+    of each env's first episode, frozen once it has ended."""
+
+    env: EnvCarry
+    finished: jax.Array  # (N,) bool: the env's first episode has ended
+    key: jax.Array
+    num_steps: jax.Array  # steps taken
+
+
+def eval_metric_names(args: Args) -> tuple[str, ...]:
+    return EVAL_METRIC_NAMES if args.eval_every_cycles else ()
+
+
+def evaluation_due(cycle: jax.Array, args: Args) -> jax.Array:
+    """After the last cycle, and after every --eval-every-cycles-th one when it is set."""
+    last = cycle == args.num_cycles
+    return last | (cycle % args.eval_every_cycles == 0) if args.eval_every_cycles else last
+
+
+def max_eval_steps(env_params: Any) -> int:
+    return int(getattr(env_params, "max_steps_in_episode", DEFAULT_MAX_STEPS))
+
+
+def start_evaluation(key: jax.Array, env: Any, env_params: Any, args: Args) -> EvalCarry:
+    reset_key, key = jax.random.split(key)
+    env_carry = reset_envs(reset_key, env, env_params, args.eval_episodes)
+    return EvalCarry(env_carry, jnp.zeros((args.eval_episodes,), bool), key, jnp.int32(0))
+
+
+def eval_step(params: Any, carry: EvalCarry, network: ActorCritic, env: Any, env_params: Any, args: Args) -> EvalCarry:
+    """One step of every eval env. The policy is called as in collect_rollout (the only call of
+    the evaluation), with invalid actions masked the same way; --eval-greedy takes the argmax of
+    the masked logits, else a sample (Gumbel-max, as in training)."""
+    env_carry = carry.env
+    key, action_key, env_key = jax.random.split(carry.key, 3)
+    logits = network.apply(params, env_carry.obs, method=ActorCritic.policy)
+    mask_actions = uses_action_mask(args, env)
+    action_mask = jax.vmap(env.action_mask, in_axes=(0, None))(env_carry.env_state, env_params) if mask_actions else None
+    noise = 0.0 if args.eval_greedy else jax.random.gumbel(action_key, logits.shape)
+    action = jnp.argmax(masked(logits, action_mask) + noise, axis=-1)
+    env_keys = jax.random.split(env_key, action.shape[0])
+    obs, env_state, reward, terminated, truncated, _ = jax.vmap(env.step, in_axes=(0, 0, 0, None))(
+        env_keys, env_carry.env_state, action, env_params
+    )
+    running = ~carry.finished
+    episode_return = env_carry.episode_return + jnp.where(running, reward.astype(jnp.float32), 0.0)
+    env_carry = EnvCarry(env_state, obs, episode_return, env_carry.episode_length + running)
+    return EvalCarry(env_carry, carry.finished | terminated | truncated, key, carry.num_steps + 1)
+
+
+def evaluate_policy(
+    params: Any, key: jax.Array, network: ActorCritic, env: Any, env_params: Any, args: Args
+) -> dict[str, jax.Array]:
+    """--eval-episodes fresh envs play with `params` until each has finished its first episode,
+    or max_eval_steps. Returns eval/episodic_return and eval/episodic_length: their means over
+    the finished episodes (NaN when none finished)."""
+    max_steps = max_eval_steps(env_params)
+    carry = jax.lax.while_loop(
+        lambda carry: ~jnp.all(carry.finished) & (carry.num_steps < max_steps),
+        lambda carry: eval_step(params, carry, network, env, env_params, args),
+        start_evaluation(key, env, env_params, args),
+    )
+    finished_only = lambda x: jnp.where(carry.finished, x.astype(jnp.float32), jnp.nan)  # noqa: E731
+    return {
+        "eval/episodic_return": nanmean_or_nan(finished_only(carry.env.episode_return)),
+        "eval/episodic_length": nanmean_or_nan(finished_only(carry.env.episode_length)),
+    }
+
+
+def with_evaluation(
+    cycle_of_every_seed: Callable, metric_names: tuple[str, ...], network: ActorCritic, env: Any, env_params: Any,
+    args: Args, video_fn: Callable | None,
+) -> tuple[Callable, tuple[str, ...]]:
+    """The cycle, then on the cycles that are evaluation_due: evaluate_policy for every seed
+    (eval/* metrics, NaN on the other cycles), and record_video_episode of seed 0, sent to
+    video_fn(cycle, env states, frames, done). Also returns the metric names with eval/* appended. Outside shard_map:
+    with several devices the evaluation is one replicated computation, the same on each."""
+    names = eval_metric_names(args)
+    if not names and video_fn is None:
+        return cycle_of_every_seed, metric_names
+    evaluate_one_seed = lambda params, key: evaluate_policy(params, key, network, env, env_params, args)  # noqa: E731
+    evaluate_every_seed = jax.vmap(evaluate_one_seed) if args.num_seeds > 1 else (  # see vmap_over_seeds
+        lambda params, keys: jax.tree.map(lambda x: x[None], evaluate_one_seed(jax.tree.map(lambda x: x[0], params), keys[0]))
+    )
+
+    def evaluate(states: TrainState) -> dict[str, jax.Array]:
+        keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(states.key, EVAL_KEY_TAG)  # TrainState.key is not consumed
+        if video_fn is not None:
+            seed_0_params = jax.tree.map(lambda x: x[0], states.params)
+            video = record_video_episode(seed_0_params, keys[0], network, env, env_params, args)
+            jax.debug.callback(video_fn, states.cycle[0], *video)
+        return evaluate_every_seed(states.params, keys) if names else {}
+
+    def no_evaluation(states: TrainState) -> dict[str, jax.Array]:
+        return {name: jnp.full(states.cycle.shape, jnp.nan) for name in names}
+
+    def cycle(states: TrainState) -> tuple[TrainState, dict[str, jax.Array]]:
+        states, metrics = cycle_of_every_seed(states)
+        due = evaluation_due(states.cycle[0], args)
+        return states, {**metrics, **jax.lax.cond(due, evaluate, no_evaluation, states)}
+
+    return cycle, metric_names + names
+
+
+VIDEO_MAX_FRAMES = 1_000  # a video shows at most this many steps of its episode
+GIF_FRAME_MS = 60
+MINATAR_CELL_PX = 20
+# One colour per MinAtar channel (cycled when an env has more channels); empty cells are black.
+CHANNEL_COLOURS = [
+    (230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48), (145, 30, 180),
+    (70, 240, 240), (240, 50, 230), (210, 245, 60), (250, 190, 212),
+]
+
+
+def record_video_episode(params: Any, key: jax.Array, network: ActorCritic, env: Any, env_params: Any, args: Args):
+    """The episode of evaluate_policy's first env for this key, step by step as it plays there,
+    until it ends or for VIDEO_MAX_FRAMES steps: (VIDEO_MAX_FRAMES, ...) arrays of the env state
+    before each step, the frame shown and whether the episode has ended (zeros after its end)."""
+    first_env = lambda carry: (jax.tree.map(lambda x: x[0], carry.env.env_state), carry.env.obs[0])  # noqa: E731
+    carry = start_evaluation(key, env, env_params, args)
+    buffers = jax.tree.map(lambda x: jnp.zeros((VIDEO_MAX_FRAMES, *x.shape), x.dtype), (*first_env(carry), carry.finished[0]))
+
+    def step(loop: tuple[EvalCarry, Any]) -> tuple[EvalCarry, Any]:
+        carry, buffers = loop
+        new_carry = eval_step(params, carry, network, env, env_params, args)
+        recorded = (*first_env(carry), new_carry.finished[0])
+        return new_carry, jax.tree.map(lambda buffer, x: buffer.at[carry.num_steps].set(x), buffers, recorded)
+
+    running = lambda loop: ~loop[0].finished[0] & (loop[0].num_steps < VIDEO_MAX_FRAMES)  # noqa: E731
+    return jax.lax.while_loop(running, step, (carry, buffers))[1]
+
+
+def minatar_image(frame) -> Any:
+    from PIL import Image
+
+    frame = np.asarray(frame) > 0.5  # (H, W, C) boolean channels
+    image = np.zeros((*frame.shape[:2], 3), np.uint8)
+    for channel in range(frame.shape[-1]):  # later channels paint over earlier ones
+        image[frame[..., channel]] = CHANNEL_COLOURS[channel % len(CHANNEL_COLOURS)]
+    image = image.repeat(MINATAR_CELL_PX, axis=0).repeat(MINATAR_CELL_PX, axis=1)
+    return Image.fromarray(image)
+
+
+def cartpole_image(state, env_params) -> Any:
+    from PIL import Image, ImageDraw
+
+    width, height, scale = 480, 240, 480 / (2 * 2.4 * 1.2)
+    image = Image.new("RGB", (width, height), "white")
+    draw = ImageDraw.Draw(image)
+    ground = 170
+    draw.line([(0, ground), (width, ground)], fill="black")
+    cart_x = width / 2 + float(state.x) * scale
+    draw.rectangle([cart_x - 25, ground - 15, cart_x + 25, ground + 15], fill=(60, 60, 60))
+    pole = 2 * float(env_params.length) * scale
+    theta = float(state.theta)
+    draw.line([(cart_x, ground - 15), (cart_x + pole * math.sin(theta), ground - 15 - pole * math.cos(theta))],
+              fill=(200, 120, 60), width=8)
+    return image
+
+
+def acrobot_image(state, env_params) -> Any:
+    from PIL import Image, ImageDraw
+
+    size = 300
+    image = Image.new("RGB", (size, size), "white")
+    draw = ImageDraw.Draw(image)
+    scale = size / 2 / 2.2
+    origin = (size / 2, size / 2)
+    angle1, angle2 = float(state.joint_angle1), float(state.joint_angle2)
+    # Angles are measured from straight down; y grows downwards in the image.
+    joint = (origin[0] + scale * math.sin(angle1), origin[1] + scale * math.cos(angle1))
+    tip = (joint[0] + scale * math.sin(angle1 + angle2), joint[1] + scale * math.cos(angle1 + angle2))
+    draw.line([(0, origin[1] - scale), (size, origin[1] - scale)], fill="black")  # the goal height
+    draw.line([origin, joint], fill=(0, 100, 200), width=8)
+    draw.line([joint, tip], fill=(0, 100, 200), width=8)
+    for point in (origin, joint):
+        draw.ellipse([point[0] - 5, point[1] - 5, point[0] + 5, point[1] + 5], fill=(200, 200, 0))
+    return image
+
+
+def frame_renderer(env_id: str, env_params: Any) -> Callable | None:
+    """A function (env_state, frame) -> PIL image, or None when we cannot draw this env."""
+    if env_id.endswith("-MinAtar"):
+        return lambda state, frame: minatar_image(frame)
+    if env_id == "CartPole-v1":
+        return lambda state, frame: cartpole_image(state, env_params)
+    if env_id == "Acrobot-v1":
+        return lambda state, frame: acrobot_image(state, env_params)
+    return None
+
+
+def write_gif(path: Path, states: Any, frames: Any, done: Any, render: Callable) -> int:
+    """One environment's states and frames (T, ...) up to and including its first done. Returns
+    the number of steps shown: Pillow merges identical consecutive frames into one shown longer,
+    so the GIF lasts that many GIF_FRAME_MS."""
+    done = np.asarray(done)
+    length = int(np.argmax(done)) + 1 if done.any() else done.shape[0]
+    images = [render(jax.tree.map(lambda x: x[t], states), frames[t]) for t in range(length)]
+    images = to_one_palette(images)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    images[0].save(path, save_all=True, append_images=images[1:], duration=GIF_FRAME_MS, loop=0)
+    return length
+
+
+def to_one_palette(images: list[Any]) -> list[Any]:
+    """RGB images -> palette images sharing one palette of every colour they use (our drawings
+    use a handful; beyond GIF's 256, the first 256). Pillow would otherwise build a palette for
+    each frame: 30 times slower (15 s for a 500-step CartPole episode on a 2-core VM)."""
+    from PIL import Image
+
+    colours = sorted({colour for image in images for _, colour in image.getcolors(maxcolors=256) or []})[:256]
+    if not colours:  # a frame of more than 256 colours: one adaptive palette, from the first frame
+        palette = images[0].quantize(colors=256)
+    else:
+        palette = Image.new("P", (1, 1))
+        palette.putpalette([channel for colour in colours for channel in colour])
+    return [image.quantize(palette=palette, dither=Image.Dither.NONE) for image in images]
+
+
+class VideoRecorder:
+    """Host side of the video callback (--capture-video): draws the steps recorded inside the jit
+    (record_video_episode) into RUN_DIR/videos/cycle-<n>.gif, and has the logger send it to
+    wandb. No JAX computation runs here: one started from inside a callback could wait for the
+    very program that waits for the callback. Training waits while a GIF is drawn; a failed
+    write is a warning."""
+
+    def __init__(self, render: Callable, run_dir: Path, logger: MetricsLogger):
+        self.render = render
+        self.video_dir = run_dir / "videos"
+        self.logger = logger
+        self.last_cycle = -1
+
+    def __call__(self, cycle: Any, states: Any, frames: Any, done: Any) -> None:
+        if jax.process_index() != 0 or int(cycle) <= self.last_cycle:  # one writer; each cycle once
+            return
+        self.last_cycle = int(cycle)
+        path = self.video_dir / f"cycle-{self.last_cycle}.gif"
+        try:
+            write_gif(path, jax.tree.map(np.asarray, states), np.asarray(frames), np.asarray(done), self.render)
+        except OSError as error:
+            print(f"warning: --capture-video: cannot write {path} ({error}); training goes on", file=sys.stderr)
+            return
+        self.logger.log_video(path, self.last_cycle)
+
+
+def make_video_recorder(args: Args, env: Any, env_params: Any, run_dir: Path, logger: MetricsLogger) -> VideoRecorder | None:
+    """The video callback with --capture-video, else None; also None, with one warning line, for
+    an env we cannot draw."""
+    if not args.capture_video:
+        return None
+    try:
+        import PIL  # noqa: F401  (the GIFs are drawn with Pillow)
+    except ImportError:
+        raise ConfigError("--capture-video needs Pillow: pip install pillow") from None
+    render = frame_renderer(args.env_id, env_params)
+    if render is None:
+        print(f"warning: --capture-video: cannot draw {args.env_id} (supported: *-MinAtar, CartPole-v1, Acrobot-v1); "
+              "training goes on without videos", file=sys.stderr)
+        return None
+    return VideoRecorder(render, run_dir, logger)
+
+
 # --- host callbacks: metrics rows and checkpoints leave the jit ---------------------------
 
 LOG_ROWS_ENV_STEPS = 8192  # metrics rows leave the jit together, once per this many env steps
@@ -1054,17 +1332,17 @@ def send_to_host(
     checkpoint_fn: Callable | None,
     ordered: bool,
 ) -> Outbox:
-    """After each cycle: buffers its metrics row (every --log-every-cycles and the last cycle),
-    sends the buffered rows to log_fn(cycles, num_rows, rows) when the buffer is full, before a
-    checkpoint and at the end, and sends the states to checkpoint_fn(cycle, states) every
-    checkpoint interval, unless a seed has failed (the last good checkpoint stays on disk).
+    """After each cycle: buffers its metrics row (every --log-every-cycles, every evaluation and
+    the last cycle), sends the buffered rows to log_fn(cycles, num_rows, rows) when the buffer is
+    full, before a checkpoint and at the end, and sends the states to checkpoint_fn(cycle, states)
+    every checkpoint interval, unless a seed has failed (the last good checkpoint stays on disk).
     JAX orders callbacks on one device only (`ordered`); on several, each row and checkpoint
     carries its cycle number, and the checkpointer never goes back in time."""
     cycle = states.cycle[0]
     should_save = (cycle % checkpoint_interval(args) == 0) & ~jnp.any(states.non_finite > 0)
     if log_fn is not None:
         last = cycle == args.num_cycles
-        should_log = (cycle % args.log_every_cycles == 0) | last
+        should_log = (cycle % args.log_every_cycles == 0) | evaluation_due(cycle, args)  # the last cycle is due
         values = jnp.stack([metrics[name] for name in metric_names])  # (metrics, seeds)
         outbox = Outbox(
             rows=jnp.where(should_log, outbox.rows.at[outbox.num_rows].set(values), outbox.rows),
@@ -1115,13 +1393,15 @@ class MetricsLogger:
         self.last_cycle = 0
         self.last_print = 0.0
         self.error: WriteError | None = None
+        self.videos: dict[int, dict[str, Any]] = {}  # wandb videos by cycle, waiting for that cycle's row
+        self.last_wandb_cycle = 0
 
     def start(self, cycle: int, wandb_runs: list[Any]) -> None:
         """Called once compiled, just before training: nothing is written before that."""
         self.file = open(self.path, "a")
         self.wandb_runs = wandb_runs
         self.last_time = time.perf_counter()
-        self.last_cycle = cycle
+        self.last_cycle = self.last_wandb_cycle = cycle
 
     def __call__(self, cycles: Any, num_rows: Any, values: Any) -> None:
         """The first num_rows of cycles (rows,) and values (rows, len(metric_names), num_seeds)."""
@@ -1153,8 +1433,12 @@ class MetricsLogger:
         if self.wandb_runs:  # every row, against its env steps
             for row_cycle, row in zip(cycles, rows):
                 row_env_steps = row_cycle * self.args.batch_size
-                for wandb_run, log in zip(self.wandb_runs, self.wandb_logs(row, row_env_steps, sps)):
+                logs = self.wandb_logs(row, row_env_steps, sps)
+                for video_cycle in [video_cycle for video_cycle in self.videos if video_cycle <= row_cycle]:
+                    logs[0].update(self.videos.pop(video_cycle))  # to seed 0's run
+                for wandb_run, log in zip(self.wandb_runs, logs):
                     wandb_run.log(log, step=row_env_steps)
+                self.last_wandb_cycle = row_cycle
 
         if now - self.last_print >= 1.0 or cycle == self.args.num_cycles:
             self.last_print = now
@@ -1165,7 +1449,8 @@ class MetricsLogger:
                 f"return {'-' if episodic_return is None else f'{episodic_return:.2f}'} | "
                 f"policy loss {fmt(mean['losses/policy_loss'])} | value loss {fmt(mean['losses/value_loss'])} | "
                 f"entropy {fmt(mean['losses/entropy'])} | approxkl3 {fmt(mean['losses/actor_approxkl3'])}"
-                + "".join(f" | {name} {fmt(mean[name])}" for name in console_env_metrics(self.metric_names)),
+                + "".join(f" | {name} {fmt(mean[name])}" for name in console_env_metrics(self.metric_names))
+                + (f" | eval return {fmt(mean['eval/episodic_return'])}" if mean.get("eval/episodic_return") is not None else ""),
                 flush=True,
             )
 
@@ -1187,12 +1472,29 @@ class MetricsLogger:
     def finite(self, values: list[float], prefix: str = "") -> dict[str, float]:
         return {prefix + name: value for name, value in zip(self.metric_names, values) if math.isfinite(value)}
 
+    def log_video(self, path: Path, cycle: int) -> None:
+        """A video (--capture-video) to wandb, with --track (seed 0's run): at the env steps of its cycle, with
+        that cycle's metrics row when the row is still to come, else at once (wandb's steps only
+        grow)."""
+        if not self.wandb_runs:
+            return
+        import wandb
+
+        video = {"media/video": wandb.Video(str(path), format="gif")}
+        if cycle > self.last_wandb_cycle:
+            self.videos[cycle] = video
+        else:
+            self.wandb_runs[0].log(video)
+
     def seed_means(self, row: list[list[float]]) -> dict[str, float | None]:
         """Each metric's mean over the seeds where it is finite; None where it is nowhere."""
         columns = [[value for value in column if math.isfinite(value)] for column in zip(*row)]
         return {name: sum(column) / len(column) if column else None for name, column in zip(self.metric_names, columns)}
 
     def close(self) -> None:
+        for cycle, video in sorted(self.videos.items()):  # a video whose row never came
+            self.wandb_runs[0].log(video, step=cycle * self.args.batch_size)
+        self.videos = {}
         try:
             self.file.close()
         except OSError:
@@ -1225,6 +1527,15 @@ def experiment_name(args: Args) -> str:
 def run_name(args: Args, seed: int) -> str:
     """<env>__<exp-name>__<seed>__<time>: the default run dir's name, and a per-seed wandb run's."""
     return f"{experiment_name(args)}__{seed}__{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def final_eval_returns(args: Args, metrics: dict[str, Any]) -> list[float | None]:
+    """Per seed: eval/episodic_return at the last cycle (always an evaluation); None per seed
+    without --eval-every-cycles or when no eval episode finished."""
+    if not args.eval_every_cycles:
+        return [None] * args.num_seeds
+    last = np.asarray(metrics["eval/episodic_return"])[-1]  # (seeds,)
+    return [float(value) if np.isfinite(value) else None for value in last]
 
 
 def default_run_dir(args: Args) -> Path:
@@ -1330,6 +1641,7 @@ def use_unrolled_threefry_on_cpu() -> None:
 RESUMABLE_FIELDS = (
     "track", "wandb_project", "wandb_entity", "wandb_group", "wandb_tags", "wandb_run_per_seed", "wandb_mode", "run_dir",
     "log_every_cycles", "checkpoint_every_cycles", "keep_checkpoints", "resume", "exp_name",
+    "eval_every_cycles", "eval_episodes", "eval_greedy", "capture_video",  # training is the same with or without them
 )
 
 
@@ -1533,12 +1845,13 @@ def run(args: Args) -> dict[str, Any]:
         checkpointer = Checkpointer(run_dir, args.keep_checkpoints)
 
     start = time.perf_counter()
-    init, train = make_train(args, env, env_params, mesh)
+    logger = MetricsLogger(args, run_dir, run_metric_names(env, env_params) + eval_metric_names(args))
+    video_recorder = make_video_recorder(args, env, env_params, run_dir, logger)  # None without --capture-video
+    init, train = make_train(args, env, env_params, mesh, video_recorder)
     states = stack_seeds([init(args.seed + i) for i in range(args.num_seeds)])
     start_cycle = 0
     if args.resume:
         states, start_cycle = checkpointer.load(states)
-    logger = MetricsLogger(args, run_dir, run_metric_names(env, env_params))
     states = place_on_mesh(states, mesh)
     train_jit = jax.jit(lambda states: train(states, logger, checkpointer, start_cycle), donate_argnums=0)
     compiled = train_jit.lower(states).compile()
@@ -1581,6 +1894,8 @@ def run(args: Args) -> dict[str, Any]:
     episodic_return[start_cycle:] = np.asarray(metrics["charts/episodic_return"])
     returns = final_returns(args, episodic_return)
     finite = [value for value in returns if value is not None]
+    eval_returns = final_eval_returns(args, metrics)
+    finite_eval = [value for value in eval_returns if value is not None]
     failures = {
         args.seed + i: {"cycle": int(cycle), "non_finite": NON_FINITE_CHECKS[int(check)]}
         for i, (cycle, check) in enumerate(zip(np.asarray(states.non_finite_cycle), np.asarray(states.non_finite)))
@@ -1596,6 +1911,8 @@ def run(args: Args) -> dict[str, Any]:
         "resumed_from_cycle": start_cycle,
         "final_episodic_return": float(np.mean(finite)) if finite else None,
         "final_episodic_return_per_seed": returns,
+        "final_eval_return": float(np.mean(finite_eval)) if finite_eval else None,  # --eval-every-cycles
+        "final_eval_return_per_seed": eval_returns,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux: KiB
         "peak_device_memory_mb": peak_device_memory_mb(),
         "failures": failures,
@@ -1605,7 +1922,8 @@ def run(args: Args) -> dict[str, Any]:
     finish_wandb_runs(args, wandb_runs, summary)
     print(
         f"done: {summary['sps']:,.0f} env steps/s, compile {compile_seconds:.1f} s, "
-        f"final return {fmt(summary['final_episodic_return'])}",
+        f"final return {fmt(summary['final_episodic_return'])}"
+        + (f", final eval return {fmt(summary['final_eval_return'])}" if args.eval_every_cycles else ""),
         flush=True,
     )
     for seed, failure in failures.items():
@@ -1657,6 +1975,7 @@ def finish_wandb_runs(args: Args, wandb_runs: list[Any], summary: dict[str, Any]
         if args.wandb_run_per_seed:
             values["final_episodic_return"] = values.pop("final_episodic_return_per_seed")[index]
             values["failure"] = values.pop("failures").get(args.seed + index)
+            values["final_eval_return"] = values.pop("final_eval_return_per_seed")[index]
         wandb_run.summary.update({key: value for key, value in values.items() if value is not None})
         wandb_run.finish()
 

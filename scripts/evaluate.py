@@ -11,14 +11,14 @@ Prints `mean_return: X ± Y` (std over all episodes of all seeds), then one line
 
 As in training: the LSTM's carry is threaded through the steps and reset where an episode
 starts, frames are stacked, and invalid actions are masked where the env has an `action_mask`.
---gif records the first episode of the first seed's first env: MinAtar channels as coloured
-cells, CartPole and Acrobot as a line drawing of the state.
+--gif records the first episode of the first seed's first env with the training script's own
+renderers (those of its --capture-video): MinAtar channels as coloured cells, CartPole and
+Acrobot as a line drawing of the state.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,14 +26,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runs import DamagedRunDir, load_script_for_run, read_json_object  # noqa: E402
 
-DEFAULT_MAX_STEPS = 10_000  # for envs whose params have no max_steps_in_episode
-GIF_FRAME_MS = 60
-MINATAR_CELL_PX = 20
-# One colour per MinAtar channel (cycled when an env has more channels); empty cells are black.
-CHANNEL_COLOURS = [
-    (230, 25, 75), (60, 180, 75), (255, 225, 25), (0, 130, 200), (245, 130, 48), (145, 30, 180),
-    (70, 240, 240), (240, 50, 230), (210, 245, 60), (250, 190, 212),
-]
+# What this tool takes from the training script besides its policy: the episode cap of its own
+# evaluation, and its renderers (which it uses for --capture-video).
+SCRIPT_FUNCTIONS = ("max_eval_steps", "frame_renderer", "write_gif")
 
 
 class UsageError(ValueError):
@@ -148,84 +143,6 @@ def first_episode_returns(reward, done):
 
 
 # ======================================================================================
-# GIF
-# ======================================================================================
-
-
-def minatar_image(frame) -> Any:
-    from PIL import Image
-    import numpy as np
-
-    frame = np.asarray(frame) > 0.5  # (H, W, C) boolean channels
-    image = np.zeros((*frame.shape[:2], 3), np.uint8)
-    for channel in range(frame.shape[-1]):  # later channels paint over earlier ones
-        image[frame[..., channel]] = CHANNEL_COLOURS[channel % len(CHANNEL_COLOURS)]
-    image = image.repeat(MINATAR_CELL_PX, axis=0).repeat(MINATAR_CELL_PX, axis=1)
-    return Image.fromarray(image)
-
-
-def cartpole_image(state, env_params) -> Any:
-    from PIL import Image, ImageDraw
-
-    width, height, scale = 480, 240, 480 / (2 * 2.4 * 1.2)
-    image = Image.new("RGB", (width, height), "white")
-    draw = ImageDraw.Draw(image)
-    ground = 170
-    draw.line([(0, ground), (width, ground)], fill="black")
-    cart_x = width / 2 + float(state.x) * scale
-    draw.rectangle([cart_x - 25, ground - 15, cart_x + 25, ground + 15], fill=(60, 60, 60))
-    pole = 2 * float(env_params.length) * scale
-    theta = float(state.theta)
-    draw.line([(cart_x, ground - 15), (cart_x + pole * math.sin(theta), ground - 15 - pole * math.cos(theta))],
-              fill=(200, 120, 60), width=8)
-    return image
-
-
-def acrobot_image(state, env_params) -> Any:
-    from PIL import Image, ImageDraw
-
-    size = 300
-    image = Image.new("RGB", (size, size), "white")
-    draw = ImageDraw.Draw(image)
-    scale = size / 2 / 2.2
-    origin = (size / 2, size / 2)
-    angle1, angle2 = float(state.joint_angle1), float(state.joint_angle2)
-    # Angles are measured from straight down; y grows downwards in the image.
-    joint = (origin[0] + scale * math.sin(angle1), origin[1] + scale * math.cos(angle1))
-    tip = (joint[0] + scale * math.sin(angle1 + angle2), joint[1] + scale * math.cos(angle1 + angle2))
-    draw.line([(0, origin[1] - scale), (size, origin[1] - scale)], fill="black")  # the goal height
-    draw.line([origin, joint], fill=(0, 100, 200), width=8)
-    draw.line([joint, tip], fill=(0, 100, 200), width=8)
-    for point in (origin, joint):
-        draw.ellipse([point[0] - 5, point[1] - 5, point[0] + 5, point[1] + 5], fill=(200, 200, 0))
-    return image
-
-
-def frame_renderer(env_id: str, env_params: Any):
-    """A function (env_state, frame) -> PIL image, or None when we cannot draw this env."""
-    if env_id.endswith("-MinAtar"):
-        return lambda state, frame: minatar_image(frame)
-    if env_id == "CartPole-v1":
-        return lambda state, frame: cartpole_image(state, env_params)
-    if env_id == "Acrobot-v1":
-        return lambda state, frame: acrobot_image(state, env_params)
-    return None
-
-
-def write_gif(path: Path, states: Any, frames: Any, done: Any, render) -> int:
-    """One environment's states and frames (T, ...) up to and including its first done."""
-    import jax
-    import numpy as np
-
-    done = np.asarray(done)
-    length = int(np.argmax(done)) + 1 if done.any() else done.shape[0]
-    images = [render(jax.tree.map(lambda x: x[t], states), frames[t]) for t in range(length)]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    images[0].save(path, save_all=True, append_images=images[1:], duration=GIF_FRAME_MS, loop=0)
-    return length
-
-
-# ======================================================================================
 # main
 # ======================================================================================
 
@@ -242,12 +159,15 @@ def evaluate(run_dir: Path, episodes: int, greedy: bool, seed: int, gif: Path | 
     except FileNotFoundError as error:
         raise UsageError(f"{run_dir}: {error}") from error
     script = Path(module.__file__).name
+    missing = [name for name in SCRIPT_FUNCTIONS if not hasattr(module, name)]
+    if missing:
+        raise UsageError(f"{run_dir} was written by an older {script} without {', '.join(missing)}; evaluate it with that version")
     try:
         args, params = module.load_params(run_dir)
     except module.ConfigError as error:  # a damaged args.json or params.msgpack
         raise UsageError(str(error)) from error
     env, env_params = module.make_env(args.env_id)
-    render = frame_renderer(args.env_id, env_params) if gif is not None else None
+    render = module.frame_renderer(args.env_id, env_params) if gif is not None else None
     if gif is not None and render is None:
         raise UsageError(f"--gif: cannot draw {args.env_id}; supported: *-MinAtar, CartPole-v1, Acrobot-v1")
 
@@ -256,7 +176,7 @@ def evaluate(run_dir: Path, episodes: int, greedy: bool, seed: int, gif: Path | 
 
     network = module.make_network(args, env.action_space(env_params).n)
     agent = (LSTMAgent if hasattr(args, "lstm_size") else MLPAgent)(module, args, network, env, env_params)
-    num_steps = int(getattr(env_params, "max_steps_in_episode", DEFAULT_MAX_STEPS))
+    num_steps = module.max_eval_steps(env_params)
     seeds = [args.seed + index for index in range(args.num_seeds)]
 
     rollout = make_rollout(agent, env, env_params, episodes, num_steps, greedy)
@@ -287,7 +207,7 @@ def evaluate(run_dir: Path, episodes: int, greedy: bool, seed: int, gif: Path | 
 
     if gif is not None:
         states = jax.tree.map(np.asarray, gif_states)
-        length = write_gif(gif, states, np.asarray(gif_frames), np.asarray(gif_done), render)
+        length = module.write_gif(gif, states, np.asarray(gif_frames), np.asarray(gif_done), render)
         print(f"wrote {gif} ({length} frames, seed {seeds[0]}, first episode)")
     return 0
 

@@ -60,11 +60,16 @@ def test_a_one_device_mesh_gives_exactly_the_single_device_result(name, monkeypa
 
 
 def test_two_devices_learn_cartpole_like_one_with_the_same_global_batch(tmp_path):
-    result = run_with_two_devices("--num-devices", "2", "--num-seeds", "2", "--run-dir", str(tmp_path / "two"))
+    """Also evaluates (outside shard_map, replicated) and writes videos (recorded inside the jit;
+    a callback that ran JAX itself would deadlock the devices' collectives)."""
+    result = run_with_two_devices("--num-devices", "2", "--num-seeds", "2", "--run-dir", str(tmp_path / "two"),
+                                  "--eval-every-cycles", "488", "--eval-episodes", "4", "--capture-video")
     assert result.returncode == 0, result.stderr
     assert "on 2 devices" in result.stdout
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["final_episodic_return"] >= 475, summary
+    assert summary["final_eval_return"] >= 475, summary
+    assert sorted(path.name for path in (tmp_path / "two" / "videos").iterdir()) == ["cycle-488.gif", "cycle-976.gif"]
     rows = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     # the global batch is the 1-device one: 4 envs x 128 steps per cycle, 976 cycles, 4 x 4 updates
     assert sorted({row["env_steps"] for row in rows})[:2] == [512, 1024]

@@ -1,0 +1,205 @@
+"""Evaluation during training (--eval-every-cycles, --eval-episodes, --eval-greedy) and videos
+(--capture-video), in both scripts: evaluation must not change training, its metrics must match
+hand computations on probe envs, and the videos must show the evaluation's episode."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import struct
+from gymnax.environments import environment, spaces
+from helpers import run_script
+
+import ppo_lstm_impala
+import ppo_mlp
+import probe_envs
+
+MODULES = {"ppo_mlp": ppo_mlp, "ppo_lstm_impala": ppo_lstm_impala}
+TINY = {  # three cycles each
+    "ppo_mlp": dict(env_id="probe_envs:ActionDependentReward", lr=1e-2, num_parallel_envs=8, num_env_steps_per_cycle=32,
+                    num_total_env_steps=3 * 256, num_seeds=2),
+    "ppo_lstm_impala": dict(
+        env_id="probe_envs:Memory", impala_channels=(4,), torso_size=16, lstm_size=8, num_parallel_envs=4,
+        num_env_steps_per_cycle=12, num_minibatches_per_epoch=2, num_epochs_per_cycle=2, num_total_env_steps=3 * 48,
+    ),
+}
+
+
+def train(module, args, video_fn=None):
+    env, env_params = module.make_env(args.env_id)
+    init, train_fn = module.make_train(args, env, env_params, video_fn=video_fn)
+    states = module.stack_seeds([init(args.seed + i) for i in range(args.num_seeds)])
+    states, metrics = jax.jit(lambda s: train_fn(s))(states)
+    return states, {name: np.asarray(value) for name, value in metrics.items()}
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_evaluation_on_and_off_train_bit_for_bit_the_same(name):
+    """With evaluation (and the video callback) the final params and every training metric are
+    exactly those of a run without: the evaluation consumes none of training's keys or envs. The
+    eval metrics are finite at cycles 2 and 3 (every 2nd, and the last) and NaN at cycle 1; the
+    video callback gets an episode at those cycles, or at the last one alone without eval: one
+    step long in ActionDependentReward, DELAY + 2 steps in Memory.
+    ppo_mlp.py trains ActionDependentReward (action 0 pays 1, action 1 pays -1): after these three
+    cycles its greedy evaluation reaches the optimum, exactly 1 in every episode."""
+    module = MODULES[name]
+    off_args = module.Args(**TINY[name])
+    on_args = module.Args(**TINY[name], eval_every_cycles=2, eval_episodes=3, eval_greedy=name == "ppo_mlp")
+    videos = {"off": [], "on": []}
+    record = lambda run: lambda cycle, states, frames, done: videos[run].append((int(cycle), np.asarray(done)))  # noqa: E731
+    off_states, off_metrics = train(module, off_args, record("off") if name == "ppo_mlp" else None)  # (compile time)
+    on_states, on_metrics = train(module, on_args, record("on"))
+
+    for off_leaf, on_leaf in zip(jax.tree.leaves(off_states.params), jax.tree.leaves(on_states.params), strict=True):
+        np.testing.assert_array_equal(off_leaf, on_leaf)
+    np.testing.assert_array_equal(jax.random.key_data(off_states.key), jax.random.key_data(on_states.key))
+    assert set(on_metrics) == set(off_metrics) | {"eval/episodic_return", "eval/episodic_length"}
+    for metric in off_metrics:
+        np.testing.assert_array_equal(off_metrics[metric], on_metrics[metric], err_msg=metric)
+    for metric in ["eval/episodic_return", "eval/episodic_length"]:
+        values = on_metrics[metric]  # (cycles, seeds)
+        assert values.shape == (3, on_args.num_seeds)
+        assert np.isnan(values[0]).all() and np.isfinite(values[1:]).all(), metric
+
+    if name == "ppo_mlp":
+        assert (on_metrics["eval/episodic_return"][-1] == 1.0).all() and (on_metrics["eval/episodic_length"][-1] == 1.0).all()
+    episode_length = 1 if name == "ppo_mlp" else probe_envs.Memory.DELAY + 2
+    assert [cycle for cycle, _ in videos["off"]] == ([3] if name == "ppo_mlp" else [])
+    assert [cycle for cycle, _ in videos["on"]] == [2, 3]
+    for _, done in videos["off"] + videos["on"]:
+        assert done.shape == (module.VIDEO_MAX_FRAMES,) and np.flatnonzero(done).tolist() == [episode_length - 1]
+
+
+def hand_set_params(module, args, env, env_params, actor_bias):
+    """Params whose policy ignores the observation: zero actor-head kernel, these logits."""
+    network = module.make_network(args, env.action_space(env_params).n)
+    obs_shape = (
+        module.stacked_obs_shape(env, env_params, args.frame_stack) if module is ppo_lstm_impala
+        else env.observation_space(env_params).shape
+    )
+    params = module.init_params(network, jax.random.key(0), args, obs_shape)
+    head = params["params"]["actor_head"]
+    params["params"]["actor_head"] = {"kernel": jnp.zeros_like(head["kernel"]), "bias": jnp.asarray(actor_bias, jnp.float32)}
+    return network, params
+
+
+def evaluate(module, args, env, env_params, network, params, key=0):
+    run = jax.jit(lambda params, key: module.evaluate_policy(params, key, network, env, env_params, args))
+    return {name: float(value) for name, value in run(params, jax.random.key(key)).items()}
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_greedy_evaluation_of_masked_actions_takes_the_best_valid_action(name):
+    """MaskedActions: actions pay 1, 0.5, 0 and action 0 is invalid. Logits (3, 2, 1) prefer the
+    invalid action: masked greedy evaluation must take action 1, the optimum 0.5, in every
+    one-step episode; ignoring the mask would give 1. Sampling from logits (0, 0, 0) gives 0.5
+    or 0 per episode: their mean over the episodes, never 1."""
+    module = MODULES[name]
+    env_id = "probe_envs:MaskedActions" + ("Image" if module is ppo_lstm_impala else "")
+    extra = dict(impala_channels=(4,), torso_size=16, lstm_size=8) if module is ppo_lstm_impala else {}
+    args = module.Args(env_id=env_id, eval_episodes=16, **extra)
+    env, env_params = module.make_env(env_id)
+    network, params = hand_set_params(module, args, env, env_params, [3.0, 2.0, 1.0])
+    assert evaluate(module, args, env, env_params, network, params) == {"eval/episodic_return": 0.5, "eval/episodic_length": 1.0}
+
+    sampled = dataclasses.replace(args, eval_greedy=False)
+    network, params = hand_set_params(module, sampled, env, env_params, [0.0, 0.0, 0.0])
+    result = evaluate(module, sampled, env, env_params, network, params)
+    assert result["eval/episodic_length"] == 1.0
+    assert 0.0 < result["eval/episodic_return"] < 0.5 and result["eval/episodic_return"] * 16 * 2 % 1 == 0  # k halves / 16
+
+
+@struct.dataclass
+class LengthState(environment.EnvState):
+    length: jax.Array  # this episode's length, 1 to 4, drawn at reset
+
+
+class RandomLength(environment.Environment):
+    """Reward 1 every step; the episode terminates after `length` steps (1 to 4, random)."""
+
+    @property
+    def default_params(self):
+        return environment.EnvParams(max_steps_in_episode=100)
+
+    def action_space(self, params=None):
+        return spaces.Discrete(2)
+
+    def observation_space(self, params=None):
+        return spaces.Box(0.0, 4.0, (1,), jnp.float32)
+
+    def reset_env(self, key, params):
+        state = LengthState(time=jnp.int32(0), length=jax.random.randint(key, (), 1, 5))
+        return state.length.astype(jnp.float32)[None], state
+
+    def step_env(self, key, state, action, params):
+        state = state.replace(time=state.time + 1)
+        return state.length.astype(jnp.float32)[None], state, jnp.float32(1.0), state.time >= state.length, {}
+
+
+def test_eval_metrics_are_means_over_the_episodes_finished_within_the_step_cap(monkeypatch):
+    """Episodes of random lengths 1 to 4, reward 1 per step. With the cap at 2 steps only the
+    episodes of length 1 and 2 count: their mean return and length, by a Python loop over the
+    lengths drawn at reset. With the cap at 100 every episode counts; with none under the cap NaN."""
+    args = ppo_mlp.Args(eval_episodes=12, eval_greedy=False)
+    env, env_params = RandomLength(), RandomLength().default_params
+    network, params = hand_set_params(ppo_mlp, args, env, env_params, [0.0, 0.0])
+    key = jax.random.fold_in(jax.random.key(3), ppo_mlp.EVAL_KEY_TAG)
+    lengths = [int(x) for x in ppo_mlp.start_evaluation(key, env, env_params, args).env.env_state.length]
+    assert min(lengths) <= 2 < max(lengths)
+
+    for cap in [2, 100]:
+        monkeypatch.setattr(ppo_mlp, "max_eval_steps", lambda env_params: cap)
+        run = jax.jit(lambda params, key: ppo_mlp.evaluate_policy(params, key, network, env, env_params, args))
+        result = {name: float(value) for name, value in run(params, key).items()}
+        counted = [length for length in lengths if length <= cap]
+        expected = sum(counted) / len(counted)
+        assert result == pytest.approx({"eval/episodic_return": expected, "eval/episodic_length": expected}, rel=1e-6)
+    monkeypatch.setattr(ppo_mlp, "max_eval_steps", lambda env_params: 0)
+    run = jax.jit(lambda params, key: ppo_mlp.evaluate_policy(params, key, network, env, env_params, args))
+    assert all(np.isnan(float(value)) for value in run(params, key).values())
+
+
+def test_capture_video_writes_the_evaluation_episode_and_logs_it_to_offline_wandb(tmp_path):
+    """CartPole, one eval episode per evaluation: each cycle's GIF has as many frames as that
+    evaluation's episode has steps; summary.json has the last evaluation's return; the offline
+    wandb run holds the GIFs as media."""
+    run_dir = tmp_path / "cartpole"
+    result = run_script(
+        "ppo_mlp.py", "--num-total-env-steps", "1024", "--eval-every-cycles", "1", "--eval-episodes", "1",
+        "--capture-video", "--track", "--wandb-mode", "offline", "--run-dir", str(run_dir), timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    from PIL import Image, ImageSequence
+
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [row["cycle"] for row in rows] == [1, 2]
+    for row in rows:
+        with Image.open(run_dir / "videos" / f"cycle-{row['cycle']}.gif") as image:
+            # Pillow merges identical consecutive frames into one shown longer: count steps by duration.
+            durations = [frame.info["duration"] for frame in ImageSequence.Iterator(image)]
+            assert image.size == (480, 240) and len(durations) > 1
+            steps = sum(durations) / ppo_mlp.GIF_FRAME_MS
+            assert steps == row["eval/episodic_length"] == row["eval/episodic_return"]  # reward 1 per step
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["final_eval_return_per_seed"] == [rows[-1]["eval/episodic_return"]] == [summary["final_eval_return"]]
+    media = sorted(Path(run_dir / "wandb").glob("offline-run-*/files/media/videos/**/*.gif"))
+    assert len(media) == 2, list(Path(run_dir / "wandb").rglob("*"))
+
+
+def test_capture_video_of_an_env_without_a_renderer_warns_once_and_records_nothing(tmp_path, capsys):
+    """No renderer: one warning line and no video callback, so training runs as without the flag."""
+    args = ppo_mlp.Args(env_id="probe_envs:ConstantReward", capture_video=True)
+    env, env_params = ppo_mlp.make_env(args.env_id)
+    logger = ppo_mlp.MetricsLogger(args, tmp_path)
+    assert ppo_mlp.make_video_recorder(args, env, env_params, tmp_path, logger) is None
+    warnings = capsys.readouterr().err.strip().splitlines()
+    assert len(warnings) == 1 and "warning: --capture-video: cannot draw probe_envs:ConstantReward" in warnings[0]
+    assert not (tmp_path / "videos").exists()
+    cartpole = ppo_mlp.Args(capture_video=True)
+    assert isinstance(ppo_mlp.make_video_recorder(cartpole, *ppo_mlp.make_env(cartpole.env_id), tmp_path, logger), ppo_mlp.VideoRecorder)
