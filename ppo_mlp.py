@@ -52,11 +52,14 @@ class Args:
     num_seeds: int = 1  # independent seeds trained together in one compiled program (jax.vmap)
     num_total_env_steps: int = 500_000  # environment steps per seed
 
-    # --- rollout (37 details: 1 vectorized env) ---------------------------------------
+    # --- rollout (37 details: 1 vectorized env, 28-30 normalisation) -------------------
     num_parallel_envs: int = 4  # parallel environments per seed
     num_env_steps_per_cycle: int = 128  # steps per env per rollout; one cycle = one rollout + its update epochs
     reset_envs_each_cycle: bool = False  # UED style: every cycle starts from fresh episodes
     bootstrap_truncated: bool = True  # time-limit steps bootstrap from V(final_observation); off: as terminations
+    sticky_action_prob: float = 0.0  # the env repeats its last executed action with this probability (MinAtar's own: 0.1)
+    norm_obs: bool = False  # observations normalised by their running mean and std, clipped to [-10, 10]
+    norm_reward: bool = False  # rewards divided by the running std of a discounted return (gym's NormalizeReward)
 
     # --- optimisation (37 details: 3 Adam eps, 4 LR annealing, 6 minibatches) --------
     num_epochs_per_cycle: int = 4  # passes over the rollout per cycle (K epochs)
@@ -149,6 +152,7 @@ class EnvCarry(NamedTuple):
     obs: jax.Array  # (N, *obs_shape)
     episode_return: jax.Array  # (N,) running return of the unfinished episode
     episode_length: jax.Array  # (N,)
+    discounted_return: jax.Array  # (N,) --norm-reward's running discounted return, zeroed after an episode ends
 
 
 class TrainState(NamedTuple):
@@ -161,6 +165,8 @@ class TrainState(NamedTuple):
     cycle: jax.Array  # cycles completed
     non_finite: jax.Array  # NaN guard: 0 while healthy, else the NON_FINITE_CHECKS index that failed
     non_finite_cycle: jax.Array  # the cycle whose update was not finite (0 while healthy)
+    obs_stats: RunningMeanStd | None  # --norm-obs: running mean and variance of the observations; else None
+    reward_stats: RunningMeanStd | None  # --norm-reward: running variance of env.discounted_return; else None
 
 
 class UpdateCarry(NamedTuple):
@@ -244,10 +250,6 @@ def log_prob_and_entropy(logits: jax.Array, action: jax.Array) -> tuple[jax.Arra
     return log_prob, entropy
 
 
-def uses_action_mask(args: Args, env: Any) -> bool:
-    return args.mask_invalid_actions and callable(getattr(env, "action_mask", None))
-
-
 def make_network(args: Args, num_actions: int) -> ActorCritic:
     return ActorCritic(num_actions, tuple(args.hidden_sizes), args.activation, args.orthogonal_init, args.shared_network)
 
@@ -261,7 +263,7 @@ def init_params(network: ActorCritic, key: jax.Array, args: Args, obs_shape: tup
 # metrics at the end of train_cycle, the environment in make_env (below the marker).
 def collect_rollout(
     params: Any, env_carry: EnvCarry, key: jax.Array, network: ActorCritic, env: Any, env_params: Any,
-    num_steps: int, mask_actions: bool, info_names: tuple[str, ...] = (),
+    num_steps: int, mask_actions: bool, info_names: tuple[str, ...] = (), obs_stats: RunningMeanStd | None = None,
 ) -> tuple[EnvCarry, Transition, dict[str, jax.Array]]:
     """Steps N envs for T steps with the current policy. Returns the new carry, the transitions,
     and `finished`: per step (T, N) the return, the length and the env's own `info` metrics
@@ -274,7 +276,7 @@ def collect_rollout(
 
     def step(carry: EnvCarry, step_input):
         step_gumbel, step_keys = step_input
-        logits = network.apply(params, carry.obs, method=ActorCritic.policy)
+        logits = network.apply(params, normalize_obs(obs_stats, carry.obs), method=ActorCritic.policy)
         action_mask = jax.vmap(env.action_mask, in_axes=(0, None))(carry.env_state, env_params) if mask_actions else None
         action = jnp.argmax(masked(logits, action_mask) + step_gumbel, axis=-1)  # Gumbel-max = categorical sample
         step_all = jax.vmap(env.step, in_axes=(0, 0, 0, None))
@@ -285,7 +287,8 @@ def collect_rollout(
         episode_end = {"charts/episodic_return": episode_return, "charts/episodic_length": episode_length}
         episode_end.update({f"env/{name}": info[name] for name in info_names})
         finished = {name: jnp.where(done, value.astype(jnp.float32), jnp.nan) for name, value in episode_end.items()}
-        new_carry = EnvCarry(env_state, next_obs, jnp.where(done, 0.0, episode_return), jnp.where(done, 0, episode_length))
+        new_carry = EnvCarry(env_state, next_obs, jnp.where(done, 0.0, episode_return), jnp.where(done, 0, episode_length),
+                             carry.discounted_return)
         transition = Transition(
             obs=carry.obs, action=action, reward=reward.astype(jnp.float32), terminated=terminated, truncated=truncated,
             final_obs=info["final_observation"], action_mask=action_mask,
@@ -452,12 +455,6 @@ METRIC_NAMES = (
 )
 
 
-def reset_envs(key: jax.Array, env: Any, env_params: Any, num_envs: int) -> EnvCarry:
-    obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(key, num_envs), env_params)
-    zeros = jnp.zeros((num_envs,), jnp.float32)
-    return EnvCarry(env_state, obs, zeros, jnp.zeros((num_envs,), jnp.int32))
-
-
 def train_cycle(
     state: TrainState, network: ActorCritic, optimizer: optax.GradientTransformation, env: Any, env_params: Any,
     args: Args, axis_name: str | None = None, info_names: tuple[str, ...] = (),
@@ -472,23 +469,25 @@ def train_cycle(
 
     env_carry, transitions, finished = collect_rollout(
         state.params, env_carry, rollout_key, network, env, env_params, args.num_env_steps_per_cycle, uses_action_mask(args, env),
-        info_names=info_names,
+        info_names=info_names, obs_stats=state.obs_stats,
     )
+    obs_stats = update_obs_stats(state.obs_stats, transitions.obs, axis_name)  # next cycle's; this one's stay frozen
+    reward_stats, env_carry, reward = normalize_rewards(state.reward_stats, env_carry, transitions, args.gamma, axis_name)
 
     # One batched forward pass over the whole rollout for log-probs and values, instead of one
     # per step inside the sequential loop (the same numbers).
     num_steps, num_envs = transitions.action.shape
-    obs_shape = transitions.obs.shape[2:]
-    flat_obs = transitions.obs.reshape(num_steps * num_envs, *obs_shape)
+    flat_normalized = lambda obs: normalize_obs(state.obs_stats, obs.reshape(num_steps * num_envs, *obs.shape[2:]))  # noqa: E731
+    flat_obs = flat_normalized(transitions.obs)
     logits, value = network.apply(state.params, flat_obs)
-    _, next_value = network.apply(state.params, transitions.final_obs.reshape(num_steps * num_envs, *obs_shape))
+    _, next_value = network.apply(state.params, flat_normalized(transitions.final_obs))
     flat_mask = None if transitions.action_mask is None else transitions.action_mask.reshape(-1, logits.shape[-1])
     logp, _ = log_prob_and_entropy(masked(logits, flat_mask), transitions.action.reshape(-1))
 
     done = jnp.logical_or(transitions.terminated, transitions.truncated)
     bootstrap_stops = transitions.terminated if args.bootstrap_truncated else done
     advantage, target = compute_gae(
-        transitions.reward, value.reshape(num_steps, num_envs), next_value.reshape(num_steps, num_envs),
+        reward, value.reshape(num_steps, num_envs), next_value.reshape(num_steps, num_envs),
         bootstrap_stops.astype(jnp.float32), done, args.gamma, args.gae_lambda,
     )
     batch = Batch(flat_obs, transitions.action.reshape(-1), logp, value, advantage.reshape(-1), target.reshape(-1), flat_mask)
@@ -504,7 +503,7 @@ def train_cycle(
     metrics["charts/clip_eps"] = jnp.float32(annealed(args.clip_eps, args.anneal_clip_eps, args.num_gradient_steps)(last_step))
     metrics["losses/explained_variance"] = explained_variance(batch.value, batch.target, axis_name)
     new_state = guard_non_finite(state, params, opt_state, non_finite)._replace(env=env_carry, key=key, cycle=state.cycle + 1)
-    return new_state, metrics
+    return new_state._replace(obs_stats=obs_stats, reward_stats=reward_stats), metrics
 
 
 def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | None = None):
@@ -523,10 +522,10 @@ def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | 
         params = init_params(network, params_key, args, obs_shape)
         env_carry = reset_envs(env_key, env, env_params, args.num_parallel_envs)
         zero = jnp.int32(0)
-        return TrainState(params, optimizer.init(params), env_carry, key, cycle=zero, non_finite=zero, non_finite_cycle=zero)
+        stats = normalization_stats(args, obs_shape)  # obs_stats, reward_stats: None where --norm-obs / --norm-reward are off
+        return TrainState(params, optimizer.init(params), env_carry, key, cycle=zero, non_finite=zero, non_finite_cycle=zero, **stats)
 
-    def init(seed: int) -> TrainState:
-        return init_one(jax.random.key(seed))
+    init = lambda seed: init_one(jax.random.key(seed))  # noqa: E731  init(seed) -> TrainState
 
     axis_name = None if mesh is None else DEVICE_AXIS
     one_seed = lambda state: train_cycle(state, network, optimizer, env, env_params, args, axis_name, info_names)  # noqa: E731
@@ -605,6 +604,8 @@ def validate_args(args: Args) -> None:
             raise ConfigError(f"{flag(name)} must name a folder, got {getattr(args, name)!r}")
     if not args.hidden_sizes or min(args.hidden_sizes) <= 0:
         raise ConfigError(f"--hidden-sizes must be one or more positive integers, got {args.hidden_sizes}")
+    if not 0 <= args.sticky_action_prob < 1:
+        raise ConfigError(f"--sticky-action-prob must be in [0, 1), got {args.sticky_action_prob}")
 
 
 def flag(field_name: str) -> str:
@@ -621,10 +622,10 @@ CRAFTAX_IDS = ("Craftax-Classic-Symbolic-v1", "Craftax-Classic-Pixels-v1", "Craf
 XMINIGRID_PREFIXES = ("MiniGrid-", "XLand-MiniGrid-")  # every id in xminigrid.registered_environments()
 
 
-def make_env(env_id: str) -> tuple[Any, Any]:
+def make_env(env_id: str, sticky_action_prob: float = 0.0) -> tuple[Any, Any]:
     """`env_id` is a gymnax id, a Craftax id (CRAFTAX_IDS), an XLand-MiniGrid id, or
     `module.path:Name` (an Environment subclass, or a zero-argument factory returning
-    (env, env_params))."""
+    (env, env_params)). Wrapped in StickyActions only when sticky_action_prob > 0."""
     if ":" in env_id:
         module_name, _, attr_name = env_id.partition(":")
         try:
@@ -658,7 +659,63 @@ def make_env(env_id: str) -> tuple[Any, Any]:
             f"--env-id {env_id} has a {type(action_space).__name__} action space; "
             f"{Path(__file__).name} supports discrete actions only"
         )
+    if sticky_action_prob > 0:
+        env = StickyActions(env, sticky_action_prob)
     return env, env_params
+
+
+def uses_action_mask(args: Args, env: Any) -> bool:
+    return args.mask_invalid_actions and callable(getattr(env, "action_mask", None))
+
+
+def reset_envs(key: jax.Array, env: Any, env_params: Any, num_envs: int) -> EnvCarry:
+    """Fresh episodes in every env, and a zero discounted return for --norm-reward."""
+    obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(key, num_envs), env_params)
+    zeros = jnp.zeros((num_envs,), jnp.float32)
+    return EnvCarry(env_state, obs, zeros, jnp.zeros((num_envs,), jnp.int32), zeros)
+
+
+class StickyState(NamedTuple):
+    env_state: Any  # the wrapped env's state
+    previous_action: jax.Array  # int32: the action executed at the previous step; 0 after a reset
+
+
+@dataclasses.dataclass(frozen=True)
+class StickyActions:
+    """--sticky-action-prob p (Machado et al. 2018; MinAtar's own default is 0.1, gymnax has none):
+    at every step, with probability p, the env executes its previous executed action instead of
+    the agent's. The coin's key is split from the step's key. The transition still stores the
+    agent's action: the policy's log-prob is of what the agent chose. With an env that has an
+    action_mask, an action is only repeated while the mask still allows it."""
+
+    env: Any
+    prob: float
+
+    def reset(self, key: jax.Array, params: Any) -> tuple[jax.Array, StickyState]:
+        obs, env_state = self.env.reset(key, params)
+        return obs, StickyState(env_state, jnp.int32(0))
+
+    def step(self, key: jax.Array, state: StickyState, action: jax.Array, params: Any):
+        step_key, coin_key = jax.random.split(key)
+        repeat = jax.random.uniform(coin_key) < self.prob
+        if self.action_mask is not None:
+            repeat = repeat & self.action_mask(state, params)[state.previous_action]
+        executed = jnp.where(repeat, state.previous_action, action).astype(jnp.int32)
+        obs, env_state, reward, terminated, truncated, info = self.env.step(step_key, state.env_state, executed, params)
+        previous_action = jnp.where(jnp.logical_or(terminated, truncated), 0, executed)  # the episode was reset
+        return obs, StickyState(env_state, previous_action), reward, terminated, truncated, info
+
+    @property
+    def action_mask(self) -> Callable | None:
+        """The env's own action_mask on the wrapped state; None when the env has none."""
+        env_mask = getattr(self.env, "action_mask", None)
+        return None if not callable(env_mask) else lambda state, params: env_mask(state.env_state, params)
+
+    def action_space(self, params: Any = None) -> spaces.Discrete:
+        return self.env.action_space(params)
+
+    def observation_space(self, params: Any = None) -> Any:
+        return self.env.observation_space(params)
 
 
 def did_you_mean(env_id: str) -> str:
@@ -926,6 +983,92 @@ def make_mesh(args: Args) -> jax.sharding.Mesh | None:
 
 def stack_seeds(trees: list[Any]) -> Any:
     return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+
+
+# --- observation and reward normalisation (37 details: 28-30) ------------------------------
+# As gym's NormalizeObservation and NormalizeReward (the wrappers of CleanRL's PPO), but inside
+# the jit: the statistics live in the TrainState, and are updated once per cycle from the whole
+# rollout (observations) or step by step with the batch of envs (rewards), after the rollout.
+
+RUNNING_STATS_INITIAL_COUNT = 1e-4  # gym's RunningMeanStd(epsilon=1e-4)
+NORMALIZE_EPS = 1e-8  # in sqrt(var + eps)
+OBS_CLIP = 10.0  # normalised observations are clipped to [-10, 10]
+
+
+class RunningMeanStd(NamedTuple):
+    """Running mean and variance of a stream of batches, per feature."""
+
+    mean: jax.Array
+    var: jax.Array
+    count: jax.Array  # float32, starts at RUNNING_STATS_INITIAL_COUNT
+
+
+def running_mean_std(shape: tuple[int, ...]) -> RunningMeanStd:
+    """Mean 0, variance 1, count 1e-4, as gym's RunningMeanStd starts."""
+    ones = jnp.ones(shape, jnp.float32)
+    return RunningMeanStd(jnp.zeros(shape, jnp.float32), ones, jnp.float32(RUNNING_STATS_INITIAL_COUNT))
+
+
+def normalization_stats(args: Args, obs_shape: tuple[int, ...]) -> dict[str, RunningMeanStd | None]:
+    """The initial obs_stats and reward_stats of a TrainState; None for a flag that is off."""
+    return {
+        "obs_stats": running_mean_std(obs_shape) if args.norm_obs else None,
+        "reward_stats": running_mean_std(()) if args.norm_reward else None,
+    }
+
+
+def update_running_mean_std(stats: RunningMeanStd, batch: jax.Array, axis_name: str | None) -> RunningMeanStd:
+    """The parallel-variance update (Chan et al.) with the moments of `batch` (axis 0: the batch),
+    as gym's RunningMeanStd.update; under shard_map the batch is every device's share."""
+    batch = batch.astype(jnp.float32)
+    batch_count = sum_over_devices(jnp.float32(batch.shape[0]), axis_name)
+    batch_mean = sum_over_devices(batch.sum(axis=0), axis_name) / batch_count
+    batch_var = sum_over_devices(((batch - batch_mean) ** 2).sum(axis=0), axis_name) / batch_count
+    delta = batch_mean - stats.mean
+    count = stats.count + batch_count
+    mean = stats.mean + delta * batch_count / count
+    sum_of_squares = stats.var * stats.count + batch_var * batch_count + delta**2 * stats.count * batch_count / count
+    return RunningMeanStd(mean, sum_of_squares / count, count)
+
+
+def normalize_obs(stats: RunningMeanStd | None, obs: jax.Array) -> jax.Array:
+    """(obs - mean) / sqrt(var + 1e-8), clipped to [-10, 10]; obs itself when stats is None
+    (--norm-obs off). obs (..., *obs_shape)."""
+    if stats is None:
+        return obs
+    return jnp.clip((obs.astype(jnp.float32) - stats.mean) / jnp.sqrt(stats.var + NORMALIZE_EPS), -OBS_CLIP, OBS_CLIP)
+
+
+def update_obs_stats(stats: RunningMeanStd | None, obs: jax.Array, axis_name: str | None) -> RunningMeanStd | None:
+    """The stats after a rollout's raw observations obs (T, N, *obs_shape); None stays None."""
+    if stats is None:
+        return None
+    return update_running_mean_std(stats, obs.reshape(-1, *stats.mean.shape), axis_name)
+
+
+def normalize_rewards(
+    stats: RunningMeanStd | None, env_carry: EnvCarry, transitions: Transition, gamma: float, axis_name: str | None
+) -> tuple[RunningMeanStd | None, EnvCarry, jax.Array]:
+    """--norm-reward (37 details: 30), step by step as gym's NormalizeReward (gym 0.21-0.25, as
+    the 37 details used it): per env, ret = ret * gamma + reward; the variance of ret is updated
+    with the batch of N envs; the reward becomes reward / sqrt(var + 1e-8) (no mean subtracted);
+    then ret = 0 where the episode ended (done = terminated or truncated). Returns the new stats,
+    env_carry with the new discounted_return, and the rewards (T, N) to train on (the raw ones
+    when stats is None)."""
+    if stats is None:
+        return None, env_carry, transitions.reward
+    done = jnp.logical_or(transitions.terminated, transitions.truncated)
+
+    def step(carry, step_input):
+        stats, discounted_return = carry
+        reward, done = step_input
+        discounted_return = discounted_return * gamma + reward
+        stats = update_running_mean_std(stats, discounted_return, axis_name)
+        scaled = reward / jnp.sqrt(stats.var + NORMALIZE_EPS)
+        return (stats, jnp.where(done, 0.0, discounted_return)), scaled
+
+    (stats, discounted_return), reward = jax.lax.scan(step, (stats, env_carry.discounted_return), (transitions.reward, done))
+    return stats, env_carry._replace(discounted_return=discounted_return), reward
 
 
 # --- the NaN guard ------------------------------------------------------------------------
@@ -1458,7 +1601,7 @@ def run(args: Args) -> dict[str, Any]:
     validate_args(args)
     avoid_cpu_qr_deadlock()
     use_unrolled_threefry_on_cpu()
-    env, env_params = make_env(args.env_id)
+    env, env_params = make_env(args.env_id, args.sticky_action_prob)
     mesh = make_mesh(args)
     if args.resume:
         run_dir, checkpointer = prepare_resume(args)
