@@ -355,3 +355,12 @@ def test_resume_with_normalisation_and_sticky_actions_is_bit_identical(tmp_path)
     strip = lambda path: [{k: v for k, v in json.loads(line).items() if k != "charts/SPS"}  # noqa: E731
                           for line in (path / "metrics.jsonl").read_text().splitlines()]
     assert strip(resumed) == strip(whole)
+
+
+def test_both_scripts_share_the_sticky_actions_and_reward_scaling_code():
+    import inspect
+
+    names = ["StickyState", "StickyActions", "uses_action_mask", "RunningMeanStd", "running_mean_std",
+             "update_running_mean_std", "normalize_rewards"]
+    for name in names:
+        assert inspect.getsource(getattr(ppo_mlp, name)) == inspect.getsource(getattr(ppo_lstm_impala, name)), name
