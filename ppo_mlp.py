@@ -1374,6 +1374,23 @@ def load_params(run_dir: str | Path) -> tuple[Args, Any]:
     return args, params
 
 
+OBS_STATS_FILE = "obs_stats.msgpack"  # a --norm-obs run's final observation statistics
+
+
+def load_obs_stats(run_dir: str | Path) -> RunningMeanStd:
+    """The final --norm-obs statistics of every seed (leading seed axis), from RUN_DIR alone;
+    the policy in params.msgpack sees normalize_obs(stats, obs)."""
+    run_dir = Path(run_dir)
+    args = args_from_json(run_dir / "args.json")
+    env, env_params = make_env(args.env_id)
+    template = stack_seeds([running_mean_std(env.observation_space(env_params).shape)] * args.num_seeds)
+    path = run_dir / OBS_STATS_FILE
+    try:
+        return flax.serialization.from_bytes(template, path.read_bytes())
+    except Exception as error:  # missing, or damaged: msgpack and flax raise several kinds
+        raise ConfigError(f"{path} is missing or damaged ({type(error).__name__}: {error})") from None
+
+
 # --- CPU settings, applied by run() -------------------------------------------------------
 
 
@@ -1696,6 +1713,8 @@ def run(args: Args) -> dict[str, Any]:
         "failures": failures,
     }
     (run_dir / "params.msgpack").write_bytes(flax.serialization.to_bytes(states.params))
+    if states.obs_stats is not None:  # --norm-obs: the policy needs them too (load_obs_stats)
+        (run_dir / OBS_STATS_FILE).write_bytes(flax.serialization.to_bytes(states.obs_stats))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if wandb_run is not None:
         wandb_run.summary.update({key: value for key, value in summary.items() if value is not None})

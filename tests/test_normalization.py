@@ -344,14 +344,21 @@ def test_resume_with_normalisation_and_sticky_actions_is_bit_identical(tmp_path)
     whole = tmp_path / "whole"
     result = run_script("ppo_mlp.py", *flags, "--run-dir", str(whole))
     assert result.returncode == 0, result.stderr
+    # the final observation statistics are saved for the policy, and evaluate.py uses them
+    obs_stats = ppo_mlp.load_obs_stats(whole)
+    np.testing.assert_allclose(obs_stats.count, [1e-4 + 24 * 64])
+    assert obs_stats.mean.shape == (1, 4) and np.all(np.asarray(obs_stats.var) != 1.0)
+    evaluated = run_script("scripts/evaluate.py", str(whole), "--episodes", "2")
+    assert evaluated.returncode == 0 and "mean_return" in evaluated.stdout, evaluated.stderr
     resumed = tmp_path / "resumed"
     shutil.copytree(whole, resumed)
-    for name in ["params.msgpack", "summary.json", "checkpoint-24.npz"]:
+    for name in ["params.msgpack", "obs_stats.msgpack", "summary.json", "checkpoint-24.npz"]:
         (resumed / name).unlink()
     result = run_script("ppo_mlp.py", "--resume", str(resumed))
     assert result.returncode == 0, result.stderr
     assert "resuming" in result.stdout and "from cycle 16" in result.stdout
-    assert (resumed / "params.msgpack").read_bytes() == (whole / "params.msgpack").read_bytes()
+    for name in ["params.msgpack", "obs_stats.msgpack"]:
+        assert (resumed / name).read_bytes() == (whole / name).read_bytes(), name
     strip = lambda path: [{k: v for k, v in json.loads(line).items() if k != "charts/SPS"}  # noqa: E731
                           for line in (path / "metrics.jsonl").read_text().splitlines()]
     assert strip(resumed) == strip(whole)
