@@ -19,6 +19,7 @@ import contextlib
 import dataclasses
 import datetime
 import difflib
+import functools
 import hashlib
 import importlib
 import io
@@ -57,11 +58,13 @@ class Args:
     num_seeds: int = 1  # independent seeds trained together in one compiled program (jax.vmap)
     num_total_env_steps: int = 20_000_000  # environment steps per seed
 
-    # --- rollout (37 details: 1 vectorized env) ---------------------------------------
+    # --- rollout (37 details: 1 vectorized env, 30 reward scaling) ----------------------
     num_parallel_envs: int = 256  # parallel environments per seed
     num_env_steps_per_cycle: int = 128  # steps per env per rollout; one cycle = one rollout + its update epochs
     reset_envs_each_cycle: bool = False  # UED style: every cycle starts from fresh episodes and zero LSTM carries
     bootstrap_truncated: bool = True  # time-limit steps bootstrap from V(final_observation); off: as terminations
+    sticky_action_prob: float = 0.0  # the env repeats its last executed action with this probability (MinAtar's own: 0.1)
+    norm_reward: bool = False  # rewards divided by the running std of a discounted return (gym's NormalizeReward)
 
     # --- optimisation (37 details: 3 Adam eps, 4 LR annealing, 6 minibatches) --------
     num_epochs_per_cycle: int = 5  # passes over the rollout per cycle (K epochs)
@@ -83,9 +86,10 @@ class Args:
     target_kl: float | None = None  # skip the rest of a cycle's updates once a minibatch's approxkl3 exceeds this
     mask_invalid_actions: bool = True  # if the env has `action_mask(env_state, env_params) -> bool (A,)`
 
-    # --- network (37 details: 2 orthogonal init, 13 separate networks) ----------------
+    # --- network (37 details: 2 orthogonal init, 13 separate networks, 21 Nature CNN) ---
+    torso: Literal["impala", "nature"] = "impala"  # the CNN: IMPALA's (Espeholt et al. 2018) or the Nature DQN's (Mnih et al. 2015)
     impala_channels: tuple[int, ...] = (16, 32, 32)  # channels of the IMPALA stages (conv, max-pool, 2 residual blocks)
-    torso_size: int = 256  # width of the dense layer after the convolutions
+    torso_size: int = 256  # width of the dense layer after the IMPALA convolutions (--torso nature: 512, NATURE_DENSE_SIZE)
     lstm_size: int = 256  # LSTM width; 0: no LSTM, a feed-forward IMPALA network (IMPALA-FF)
     # bptt: minibatches of whole env sequences, replayed from the rollout's first carry, with
     # gradients through time; stored: single transitions, each a one-step forward from the carry
@@ -193,6 +197,7 @@ class EnvCarry(NamedTuple):
     lstm_carry: jax.Array  # (N, carry_size) before its reset by episode_start
     episode_return: jax.Array  # (N,) running return of the unfinished episode
     episode_length: jax.Array  # (N,)
+    discounted_return: jax.Array  # (N,) --norm-reward's running discounted return, zeroed after an episode ends
 
 
 class TrainState(NamedTuple):
@@ -205,6 +210,7 @@ class TrainState(NamedTuple):
     cycle: jax.Array  # cycles completed
     non_finite: jax.Array  # NaN guard: 0 while healthy, else the NON_FINITE_CHECKS index that failed
     non_finite_cycle: jax.Array  # the cycle whose update was not finite (0 while healthy)
+    reward_stats: RunningMeanStd | None  # --norm-reward: running variance of env.discounted_return; else None
 
 
 class UpdateCarry(NamedTuple):
@@ -224,10 +230,16 @@ HIDDEN_GAIN = math.sqrt(2.0)  # 37 details: 2; convs and the dense torso layer
 LSTM_GAIN = 1.0  # input and recurrent kernels of the LSTM
 ACTOR_HEAD_GAIN = 0.01  # near-uniform initial policy
 CRITIC_HEAD_GAIN = 1.0
-CONV_KERNEL = (3, 3)  # IMPALA (Espeholt et al. 2018, fig. 3): every conv is 3x3, stride 1
 POOL_WINDOW = (3, 3)
 POOL_STRIDES = (2, 2)
 NUM_RESIDUAL_BLOCKS = 2  # per IMPALA stage
+# --torso nature (Mnih et al. 2015; 37 details: 21): (channels, kernel, stride) per conv, VALID padding,
+# then a dense layer of 512. Its strides need sides of 36 px or more (36 -> 8 -> 3 -> 1); below that
+# (MinAtar's 10x10) every conv is 3x3 stride 1 with the same channels, which needs 7 px (7 -> 5 -> 3 -> 1).
+NATURE_CONVS = ((32, 8, 4), (64, 4, 2), (64, 3, 1))
+SMALL_NATURE_CONVS = ((32, 3, 1), (64, 3, 1), (64, 3, 1))
+NATURE_MIN_SIDE, SMALL_NATURE_MIN_SIDE = 36, 7
+NATURE_DENSE_SIZE = 512
 
 
 def init_kwargs(gain: float, orthogonal_init: bool) -> dict[str, Any]:
@@ -240,11 +252,14 @@ def dense(features: int, gain: float, orthogonal_init: bool) -> nn.Dense:
     return nn.Dense(features, **init_kwargs(gain, orthogonal_init))
 
 
-def conv(features: int, orthogonal_init: bool) -> nn.Conv:
-    on_cpu = jax.default_backend() == "cpu"  # the same parameters either way; see conv3x3_for_cpu
+def conv(features: int, orthogonal_init: bool, kernel: int = 3, stride: int = 1, padding: str = "SAME") -> nn.Conv:
+    """IMPALA's convs (Espeholt et al. 2018, fig. 3) are all 3x3 stride 1 SAME, the defaults; the
+    Nature CNN's are VALID, of several sizes."""
+    # The same parameters either way; see conv3x3_for_cpu. Other kernels and strides: XLA's own.
+    on_cpu_3x3 = jax.default_backend() == "cpu" and (kernel, stride) == (3, 1)
     return nn.Conv(
-        features, CONV_KERNEL, padding="SAME", conv_general_dilated=conv3x3_for_cpu if on_cpu else None,
-        **init_kwargs(HIDDEN_GAIN, orthogonal_init),
+        features, (kernel, kernel), (stride, stride), padding=padding,
+        conv_general_dilated=conv3x3_for_cpu if on_cpu_3x3 else None, **init_kwargs(HIDDEN_GAIN, orthogonal_init),
     )
 
 
@@ -279,6 +294,24 @@ class ImpalaTorso(nn.Module):
         return nn.relu(dense(self.torso_size, HIDDEN_GAIN, self.orthogonal_init)(x))
 
 
+class NatureTorso(nn.Module):
+    """The Nature DQN CNN: three relu convs (NATURE_CONVS, or SMALL_NATURE_CONVS for images
+    under 36 px), flatten, a dense relu layer of 512. On CPU the 3x3 stride-1 convs use
+    conv3x3_for_cpu, the others XLA's own (conv3x3_for_cpu is
+    only for 3x3 stride-1 convs)."""
+
+    orthogonal_init: bool
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x (B, H, W, C) -> (B, NATURE_DENSE_SIZE)"""
+        convs = NATURE_CONVS if min(x.shape[1:3]) >= NATURE_MIN_SIDE else SMALL_NATURE_CONVS
+        for channels, kernel, stride in convs:
+            x = nn.relu(conv(channels, self.orthogonal_init, kernel, stride, padding="VALID")(x))
+        x = x.reshape(x.shape[0], -1)
+        return nn.relu(dense(NATURE_DENSE_SIZE, HIDDEN_GAIN, self.orthogonal_init)(x))
+
+
 def reset_carry(carry: jax.Array, episode_start: jax.Array) -> jax.Array:
     """carry (B, S), episode_start (B,): zeros where an episode starts (the initial carry)."""
     return jnp.where(episode_start[:, None], jnp.zeros_like(carry), carry)
@@ -305,8 +338,9 @@ class ResettingLSTM(nn.Module):
 
 
 class Core(nn.Module):
-    """IMPALA torso, then (unless lstm_size is 0) an LSTM scanned over time."""
+    """IMPALA (or Nature) torso, then (unless lstm_size is 0) an LSTM scanned over time."""
 
+    torso: str
     impala_channels: tuple[int, ...]
     torso_size: int
     lstm_size: int
@@ -318,7 +352,10 @@ class Core(nn.Module):
         carry after each step (T, B, 2 * lstm_size), features (T, B, F)"""
         num_steps, num_sequences = obs.shape[:2]
         flat_obs = obs.reshape(num_steps * num_sequences, *obs.shape[2:]).astype(jnp.float32)
-        features = ImpalaTorso(self.impala_channels, self.torso_size, self.orthogonal_init)(flat_obs)
+        if self.torso == "nature":
+            features = NatureTorso(self.orthogonal_init)(flat_obs)
+        else:
+            features = ImpalaTorso(self.impala_channels, self.torso_size, self.orthogonal_init)(flat_obs)
         features = features.reshape(num_steps, num_sequences, -1)  # the torso runs batched over T
         if self.lstm_size == 0:  # IMPALA-FF: an empty carry
             return jnp.zeros((num_steps, num_sequences, 0), jnp.float32), features
@@ -332,6 +369,7 @@ class ActorCritic(nn.Module):
     for the critic (37 details: 13)."""
 
     num_actions: int
+    torso: str
     impala_channels: tuple[int, ...]
     torso_size: int
     lstm_size: int
@@ -339,7 +377,7 @@ class ActorCritic(nn.Module):
     separate_critic: bool
 
     def setup(self):
-        core = lambda: Core(self.impala_channels, self.torso_size, self.lstm_size, self.orthogonal_init)  # noqa: E731
+        core = lambda: Core(self.torso, self.impala_channels, self.torso_size, self.lstm_size, self.orthogonal_init)  # noqa: E731
         self.actor_core = core()
         self.critic_core = core() if self.separate_critic else self.actor_core
         self.actor_head = dense(self.num_actions, ACTOR_HEAD_GAIN, self.orthogonal_init)
@@ -374,13 +412,10 @@ def log_prob_and_entropy(logits: jax.Array, action: jax.Array) -> tuple[jax.Arra
     return log_prob, entropy
 
 
-def uses_action_mask(args: Args, env: Any) -> bool:
-    return args.mask_invalid_actions and callable(getattr(env, "action_mask", None))
-
-
 def make_network(args: Args, num_actions: int) -> ActorCritic:
     return ActorCritic(
-        num_actions, tuple(args.impala_channels), args.torso_size, args.lstm_size, args.orthogonal_init, args.separate_critic
+        num_actions, args.torso, tuple(args.impala_channels), args.torso_size, args.lstm_size, args.orthogonal_init,
+        args.separate_critic,
     )
 
 
@@ -437,7 +472,8 @@ def collect_rollout(
         episode_end.update({f"env/{name}": info[name] for name in info_names})
         finished = {name: jnp.where(done, value.astype(jnp.float32), jnp.nan) for name, value in episode_end.items()}
         new_carry = EnvCarry(  # the carry reset itself happens in the next forward pass, from episode_start
-            env_state, next_obs, done, lstm_carries[0], jnp.where(done, 0.0, episode_return), jnp.where(done, 0, episode_length)
+            env_state, next_obs, done, lstm_carries[0], jnp.where(done, 0.0, episode_return), jnp.where(done, 0, episode_length),
+            carry.discounted_return,
         )
         stored_carry = reset_carry(carry.lstm_carry, carry.episode_start) if store_carries else carry.lstm_carry[:, :0]
         transition = Transition(
@@ -682,16 +718,6 @@ METRIC_NAMES = ("charts/episodic_return", "charts/episodic_length", "charts/lear
                 *MINIBATCH_METRIC_NAMES, "losses/explained_variance", "losses/epochs_run")
 
 
-def reset_envs(key: jax.Array, env: Any, env_params: Any, num_envs: int, args: Args) -> EnvCarry:
-    """Fresh episodes in every env, a fresh frame stack and zero LSTM carries."""
-    frame, env_state = jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(key, num_envs), env_params)
-    starts = jnp.ones((num_envs,), bool)
-    stack = jnp.zeros((num_envs, *stacked_obs_shape(env, env_params, args.frame_stack)), jnp.float32)
-    lstm_carry = jnp.zeros((num_envs, args.carry_size), jnp.float32)
-    zeros = jnp.zeros((num_envs,), jnp.float32)
-    return EnvCarry(env_state, push_frame(stack, frame, starts), starts, lstm_carry, zeros, jnp.zeros((num_envs,), jnp.int32))
-
-
 def train_cycle(
     state: TrainState, network: ActorCritic, optimizer: optax.GradientTransformation, env: Any, env_params: Any,
     args: Args, axis_name: str | None = None, info_names: tuple[str, ...] = (),
@@ -709,6 +735,7 @@ def train_cycle(
         state.params, env_carry, rollout_key, network, env, env_params, args.num_env_steps_per_cycle,
         uses_action_mask(args, env), store_carries=args.lstm_training == "stored", info_names=info_names,
     )
+    reward_stats, env_carry, reward = normalize_rewards(state.reward_stats, env_carry, transitions, args.gamma, axis_name)
 
     num_steps, num_envs = transitions.action.shape
     sequence_carry, sequence_start, logp, value, next_value = evaluate_rollout(
@@ -719,7 +746,7 @@ def train_cycle(
     done = jnp.logical_or(transitions.terminated, transitions.truncated)
     bootstrap_stops = transitions.terminated if args.bootstrap_truncated else done
     advantage, target = compute_gae(
-        transitions.reward, value.reshape(num_steps, num_envs), next_value.reshape(num_steps, num_envs),
+        reward, value.reshape(num_steps, num_envs), next_value.reshape(num_steps, num_envs),
         bootstrap_stops.astype(jnp.float32), done, args.gamma, args.gae_lambda,
     )
     action_mask = None if transitions.action_mask is None else to_sequences(transitions.action_mask)
@@ -740,7 +767,7 @@ def train_cycle(
     metrics["charts/clip_eps"] = jnp.float32(annealed(args.clip_eps, args.anneal_clip_eps, args.num_gradient_steps)(last_step))
     metrics["losses/explained_variance"] = explained_variance(batch.value, batch.target, axis_name)
     new_state = guard_non_finite(state, params, opt_state, non_finite)._replace(env=env_carry, key=key, cycle=state.cycle + 1)
-    return new_state, metrics
+    return new_state._replace(reward_stats=reward_stats), metrics
 
 
 def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | None = None, video_fn: Callable | None = None):
@@ -758,10 +785,10 @@ def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | 
         params = init_params(network, params_key, args, stacked_obs_shape(env, env_params, args.frame_stack))
         env_carry = reset_envs(env_key, env, env_params, args.num_parallel_envs, args)
         zero = jnp.int32(0)
-        return TrainState(params, optimizer.init(params), env_carry, key, cycle=zero, non_finite=zero, non_finite_cycle=zero)
+        stats = normalization_stats(args, env, env_params)  # reward_stats: None where --norm-reward is off
+        return TrainState(params, optimizer.init(params), env_carry, key, cycle=zero, non_finite=zero, non_finite_cycle=zero, **stats)
 
-    def init(seed: int) -> TrainState:
-        return init_one(jax.random.key(seed))
+    init = lambda seed: init_one(jax.random.key(seed))  # noqa: E731  init(seed) -> TrainState
 
     axis_name = None if mesh is None else DEVICE_AXIS
     one_seed = lambda state: train_cycle(state, network, optimizer, env, env_params, args, axis_name, info_names)  # noqa: E731
@@ -855,6 +882,17 @@ def validate_args(args: Args) -> None:
         raise ConfigError(f"--impala-channels must be one or more positive integers, got {args.impala_channels}")
     if args.lstm_size < 0:
         raise ConfigError(f"--lstm-size must be >= 0 (0: no LSTM), got {args.lstm_size}")
+    if not 0 <= args.sticky_action_prob < 1:
+        raise ConfigError(f"--sticky-action-prob must be in [0, 1), got {args.sticky_action_prob}")
+
+
+def check_torso_fits(args: Args, obs_shape: tuple[int, ...]) -> None:
+    """--torso nature needs images of at least SMALL_NATURE_MIN_SIDE px a side."""
+    if args.torso == "nature" and min(obs_shape[:2]) < SMALL_NATURE_MIN_SIDE:
+        raise ConfigError(
+            f"--torso nature needs images of at least {SMALL_NATURE_MIN_SIDE}x{SMALL_NATURE_MIN_SIDE} px; --env-id "
+            f"{args.env_id} has observations of shape {tuple(obs_shape)} (use --torso impala)"
+        )
 
 
 WANDB_NAME_LIMIT = 128  # characters in a wandb project or group name
@@ -892,10 +930,10 @@ CRAFTAX_IDS = ("Craftax-Classic-Symbolic-v1", "Craftax-Classic-Pixels-v1", "Craf
 XMINIGRID_PREFIXES = ("MiniGrid-", "XLand-MiniGrid-")  # every id in xminigrid.registered_environments()
 
 
-def make_env(env_id: str) -> tuple[Any, Any]:
+def make_env(env_id: str, sticky_action_prob: float = 0.0) -> tuple[Any, Any]:
     """`env_id` is a gymnax id, a Craftax id (CRAFTAX_IDS), an XLand-MiniGrid id, or
     `module.path:Name` (an Environment subclass, or a zero-argument factory returning
-    (env, env_params))."""
+    (env, env_params)). Wrapped in StickyActions only when sticky_action_prob > 0."""
     if ":" in env_id:
         module_name, _, attr_name = env_id.partition(":")
         try:
@@ -935,7 +973,67 @@ def make_env(env_id: str) -> tuple[Any, Any]:
             f"--env-id {env_id} has observations of shape {obs_shape}; {Path(__file__).name} "
             f"needs (H, W, C) images, use ppo_mlp.py"
         )
+    if sticky_action_prob > 0:
+        env = StickyActions(env, sticky_action_prob)
     return env, env_params
+
+
+def uses_action_mask(args: Args, env: Any) -> bool:
+    return args.mask_invalid_actions and callable(getattr(env, "action_mask", None))
+
+
+def reset_envs(key: jax.Array, env: Any, env_params: Any, num_envs: int, args: Args) -> EnvCarry:
+    """Fresh episodes in every env, a fresh frame stack, zero LSTM carries and a zero discounted
+    return for --norm-reward."""
+    frame, env_state = jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(key, num_envs), env_params)
+    starts = jnp.ones((num_envs,), bool)
+    stack = jnp.zeros((num_envs, *stacked_obs_shape(env, env_params, args.frame_stack)), jnp.float32)
+    lstm_carry = jnp.zeros((num_envs, args.carry_size), jnp.float32)
+    zeros = jnp.zeros((num_envs,), jnp.float32)
+    return EnvCarry(env_state, push_frame(stack, frame, starts), starts, lstm_carry, zeros, jnp.zeros((num_envs,), jnp.int32), zeros)
+
+
+class StickyState(NamedTuple):
+    env_state: Any  # the wrapped env's state
+    previous_action: jax.Array  # int32: the action executed at the previous step; 0 after a reset
+
+
+@dataclasses.dataclass(frozen=True)
+class StickyActions:
+    """--sticky-action-prob p (Machado et al. 2018; MinAtar's own default is 0.1, gymnax has none):
+    at every step, with probability p, the env executes its previous executed action instead of
+    the agent's. The coin's key is split from the step's key. The transition still stores the
+    agent's action: the policy's log-prob is of what the agent chose. With an env that has an
+    action_mask, an action is only repeated while the mask still allows it."""
+
+    env: Any
+    prob: float
+
+    def reset(self, key: jax.Array, params: Any) -> tuple[jax.Array, StickyState]:
+        obs, env_state = self.env.reset(key, params)
+        return obs, StickyState(env_state, jnp.int32(0))
+
+    def step(self, key: jax.Array, state: StickyState, action: jax.Array, params: Any):
+        step_key, coin_key = jax.random.split(key)
+        repeat = jax.random.uniform(coin_key) < self.prob
+        if self.action_mask is not None:
+            repeat = repeat & self.action_mask(state, params)[state.previous_action]
+        executed = jnp.where(repeat, state.previous_action, action).astype(jnp.int32)
+        obs, env_state, reward, terminated, truncated, info = self.env.step(step_key, state.env_state, executed, params)
+        previous_action = jnp.where(jnp.logical_or(terminated, truncated), 0, executed)  # the episode was reset
+        return obs, StickyState(env_state, previous_action), reward, terminated, truncated, info
+
+    @property
+    def action_mask(self) -> Callable | None:
+        """The env's own action_mask on the wrapped state; None when the env has none."""
+        env_mask = getattr(self.env, "action_mask", None)
+        return None if not callable(env_mask) else lambda state, params: env_mask(state.env_state, params)
+
+    def action_space(self, params: Any = None) -> spaces.Discrete:
+        return self.env.action_space(params)
+
+    def observation_space(self, params: Any = None) -> Any:
+        return self.env.observation_space(params)
 
 
 def did_you_mean(env_id: str) -> str:
@@ -1211,6 +1309,73 @@ def stack_seeds(trees: list[Any]) -> Any:
     return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
 
 
+# --- reward normalisation (37 details: 30) --------------------------------------------------
+# As gym's NormalizeReward (the wrapper of CleanRL's PPO), but inside the jit: the statistics
+# live in the TrainState and are updated step by step with the batch of envs, after the rollout.
+# (No observation normalisation here: ppo_mlp.py's --norm-obs is for vector observations.)
+
+RUNNING_STATS_INITIAL_COUNT = 1e-4  # gym's RunningMeanStd(epsilon=1e-4)
+NORMALIZE_EPS = 1e-8  # in sqrt(var + eps)
+
+
+class RunningMeanStd(NamedTuple):
+    """Running mean and variance of a stream of batches, per feature."""
+
+    mean: jax.Array
+    var: jax.Array
+    count: jax.Array  # float32, starts at RUNNING_STATS_INITIAL_COUNT
+
+
+def running_mean_std(shape: tuple[int, ...]) -> RunningMeanStd:
+    """Mean 0, variance 1, count 1e-4, as gym's RunningMeanStd starts."""
+    ones = jnp.ones(shape, jnp.float32)
+    return RunningMeanStd(jnp.zeros(shape, jnp.float32), ones, jnp.float32(RUNNING_STATS_INITIAL_COUNT))
+
+
+def normalization_stats(args: Args, env: Any, env_params: Any) -> dict[str, RunningMeanStd | None]:
+    """The initial reward_stats of a TrainState; None when --norm-reward is off."""
+    return {"reward_stats": running_mean_std(()) if args.norm_reward else None}
+
+
+def update_running_mean_std(stats: RunningMeanStd, batch: jax.Array, axis_name: str | None) -> RunningMeanStd:
+    """The parallel-variance update (Chan et al.) with the moments of `batch` (axis 0: the batch),
+    as gym's RunningMeanStd.update; under shard_map the batch is every device's share."""
+    batch = batch.astype(jnp.float32)
+    batch_count = sum_over_devices(jnp.float32(batch.shape[0]), axis_name)
+    batch_mean = sum_over_devices(batch.sum(axis=0), axis_name) / batch_count
+    batch_var = sum_over_devices(((batch - batch_mean) ** 2).sum(axis=0), axis_name) / batch_count
+    delta = batch_mean - stats.mean
+    count = stats.count + batch_count
+    mean = stats.mean + delta * batch_count / count
+    sum_of_squares = stats.var * stats.count + batch_var * batch_count + delta**2 * stats.count * batch_count / count
+    return RunningMeanStd(mean, sum_of_squares / count, count)
+
+
+def normalize_rewards(
+    stats: RunningMeanStd | None, env_carry: EnvCarry, transitions: Transition, gamma: float, axis_name: str | None
+) -> tuple[RunningMeanStd | None, EnvCarry, jax.Array]:
+    """--norm-reward (37 details: 30), step by step as gym's NormalizeReward (gym 0.21-0.25, as
+    the 37 details used it): per env, ret = ret * gamma + reward; the variance of ret is updated
+    with the batch of N envs; the reward becomes reward / sqrt(var + 1e-8) (no mean subtracted);
+    then ret = 0 where the episode ended (done = terminated or truncated). Returns the new stats,
+    env_carry with the new discounted_return, and the rewards (T, N) to train on (the raw ones
+    when stats is None)."""
+    if stats is None:
+        return None, env_carry, transitions.reward
+    done = jnp.logical_or(transitions.terminated, transitions.truncated)
+
+    def step(carry, step_input):
+        stats, discounted_return = carry
+        reward, done = step_input
+        discounted_return = discounted_return * gamma + reward
+        stats = update_running_mean_std(stats, discounted_return, axis_name)
+        scaled = reward / jnp.sqrt(stats.var + NORMALIZE_EPS)
+        return (stats, jnp.where(done, 0.0, discounted_return)), scaled
+
+    (stats, discounted_return), reward = jax.lax.scan(step, (stats, env_carry.discounted_return), (transitions.reward, done))
+    return stats, env_carry._replace(discounted_return=discounted_return), reward
+
+
 # --- the NaN guard ------------------------------------------------------------------------
 # A seed whose loss, gradient or parameters stop being finite keeps its last good parameters
 # and applies no update from then on; run() reports it and exits with code 1.
@@ -1345,9 +1510,9 @@ def eval_step(params: Any, carry: EvalCarry, network: ActorCritic, env: Any, env
     done = jnp.logical_or(terminated, truncated)
     running = ~carry.finished
     episode_return = env_carry.episode_return + jnp.where(running, reward.astype(jnp.float32), 0.0)
-    env_carry = EnvCarry(  # the carry reset itself happens in the next forward pass, from episode_start
-        env_state, push_frame(env_carry.obs, next_frame, done), done, lstm_carries[0], episode_return,
-        env_carry.episode_length + running,
+    env_carry = env_carry._replace(  # the carry reset itself happens in the next forward pass, from episode_start
+        env_state=env_state, obs=push_frame(env_carry.obs, next_frame, done), episode_start=done,
+        lstm_carry=lstm_carries[0], episode_return=episode_return, episode_length=env_carry.episode_length + running,
     )
     return EvalCarry(env_carry, carry.finished | done, key, carry.num_steps + 1)
 
@@ -1421,7 +1586,7 @@ def record_video_episode(params: Any, key: jax.Array, network: ActorCritic, env:
     until it ends or for VIDEO_MAX_FRAMES steps: (VIDEO_MAX_FRAMES, ...) arrays of the env state
     before each step, the frame shown (the newest of the stack) and whether the episode has ended (zeros after its end)."""
     channels = env.observation_space(env_params).shape[-1]  # of one frame
-    first_env = lambda carry: (jax.tree.map(lambda x: x[0], carry.env.env_state), carry.env.obs[0, ..., -channels:])  # noqa: E731
+    first_env = lambda carry: (jax.tree.map(lambda x: x[0], without_sticky_actions(carry.env.env_state)), carry.env.obs[0, ..., -channels:])  # noqa: E731
     carry = start_evaluation(key, env, env_params, args)
     buffers = jax.tree.map(lambda x: jnp.zeros((VIDEO_MAX_FRAMES, *x.shape), x.dtype), (*first_env(carry), carry.finished[0]))
 
@@ -1433,6 +1598,11 @@ def record_video_episode(params: Any, key: jax.Array, network: ActorCritic, env:
 
     running = lambda loop: ~loop[0].finished[0] & (loop[0].num_steps < VIDEO_MAX_FRAMES)  # noqa: E731
     return jax.lax.while_loop(running, step, (carry, buffers))[1]
+
+
+def without_sticky_actions(env_state: Any) -> Any:
+    """The wrapped env's own state, which the renderers draw (--sticky-action-prob adds a layer)."""
+    return env_state.env_state if isinstance(env_state, StickyState) else env_state
 
 
 def minatar_image(frame) -> Any:
@@ -1885,24 +2055,28 @@ def nhwc_conv(x: jax.Array, kernel: jax.Array, padding: Any) -> jax.Array:
     return jax.lax.conv_general_dilated(x, kernel, (1, 1), padding, dimension_numbers=NHWC_HWIO)
 
 
-@jax.custom_vjp
-def nhwc_conv_same(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    return nhwc_conv(x, kernel, "SAME")
+CONV3X3_PADS = {"SAME": 1, "VALID": 0}  # zeros added on each side of a 3x3 stride-1 convolution's input
 
 
-def nhwc_conv_same_forward(x: jax.Array, kernel: jax.Array):
-    return nhwc_conv(x, kernel, "SAME"), (x, kernel)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def nhwc_conv_3x3(x: jax.Array, kernel: jax.Array, pad: int) -> jax.Array:
+    """A 3x3 stride-1 convolution with `pad` zeros on each side: 1 is SAME, 0 is VALID."""
+    return nhwc_conv(x, kernel, ((pad, pad), (pad, pad)))
 
 
-def nhwc_conv_same_backward(residuals, d_out):
+def nhwc_conv_3x3_forward(x: jax.Array, kernel: jax.Array, pad: int):
+    return nhwc_conv_3x3(x, kernel, pad), (x, kernel)
+
+
+def nhwc_conv_3x3_backward(pad: int, residuals, d_out):
     x, kernel = residuals
-    d_x = nhwc_conv(d_out, jnp.flip(kernel, (0, 1)).swapaxes(2, 3), "SAME")
+    d_x = nhwc_conv(d_out, jnp.flip(kernel, (0, 1)).swapaxes(2, 3), ((2 - pad, 2 - pad), (2 - pad, 2 - pad)))
     # the kernel gradient as a convolution with the input channels as batch and the batch as features
-    d_kernel = nhwc_conv(x.transpose(3, 1, 2, 0), d_out.transpose(1, 2, 0, 3), ((1, 1), (1, 1)))
+    d_kernel = nhwc_conv(x.transpose(3, 1, 2, 0), d_out.transpose(1, 2, 0, 3), ((pad, pad), (pad, pad)))
     return d_x, d_kernel.transpose(1, 2, 0, 3)
 
 
-nhwc_conv_same.defvjp(nhwc_conv_same_forward, nhwc_conv_same_backward)
+nhwc_conv_3x3.defvjp(nhwc_conv_3x3_forward, nhwc_conv_3x3_backward)
 
 
 def shifted_matmul_3x3(x: jax.Array, kernel: jax.Array) -> jax.Array:
@@ -1915,16 +2089,16 @@ def shifted_matmul_3x3(x: jax.Array, kernel: jax.Array) -> jax.Array:
 
 def conv3x3_for_cpu(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_dilation=None,
                     dimension_numbers=None, feature_group_count=1, precision=None) -> jax.Array:
-    """nn.Conv's convolution on CPU, for its 3x3 stride-1 SAME convs: fast inside loops (see
-    above). At 2x2 or less XLA swaps the operands into a naive form: a matmul then."""
+    """nn.Conv's convolution on CPU, for its 3x3 stride-1 convs, SAME (IMPALA) or VALID (Nature):
+    fast inside loops (see above). At 2x2 or less XLA swaps a SAME convolution's operands into a
+    naive form: a matmul then."""
     assert rhs.shape[:2] == (3, 3) and tuple(window_strides) == (1, 1) and feature_group_count == 1
-    if min(lhs.shape[1:3]) <= 2:
+    pad = CONV3X3_PADS.get(padding) if isinstance(padding, str) else None
+    if pad == 1 and min(lhs.shape[1:3]) <= 2:
         return shifted_matmul_3x3(lhs, rhs)
-    if jax.typeof(lhs).manual_axis_type.varying:  # under shard_map (simulated CPU devices): XLA's own
+    if pad is None or jax.typeof(lhs).manual_axis_type.varying:  # under shard_map (simulated CPU devices): XLA's own
         return jax.lax.conv_general_dilated(lhs, rhs, window_strides, padding, dimension_numbers=NHWC_HWIO)
-    return nhwc_conv_same(lhs, rhs)
-
-
+    return nhwc_conv_3x3(lhs, rhs, pad)
 
 
 def avoid_cpu_qr_deadlock() -> None:
@@ -2152,7 +2326,8 @@ def run(args: Args) -> dict[str, Any]:
     validate_args(args)
     avoid_cpu_qr_deadlock()
     use_unrolled_threefry_on_cpu()
-    env, env_params = make_env(args.env_id)
+    env, env_params = make_env(args.env_id, args.sticky_action_prob)
+    check_torso_fits(args, stacked_obs_shape(env, env_params, args.frame_stack))
     mesh = make_mesh(args)
     if args.resume:
         run_dir, checkpointer = prepare_resume(args)

@@ -52,11 +52,14 @@ class Args:
     num_seeds: int = 1  # independent seeds trained together in one compiled program (jax.vmap)
     num_total_env_steps: int = 500_000  # environment steps per seed
 
-    # --- rollout (37 details: 1 vectorized env) ---------------------------------------
+    # --- rollout (37 details: 1 vectorized env, 28-30 normalisation) -------------------
     num_parallel_envs: int = 4  # parallel environments per seed
     num_env_steps_per_cycle: int = 128  # steps per env per rollout; one cycle = one rollout + its update epochs
     reset_envs_each_cycle: bool = False  # UED style: every cycle starts from fresh episodes
     bootstrap_truncated: bool = True  # time-limit steps bootstrap from V(final_observation); off: as terminations
+    sticky_action_prob: float = 0.0  # the env repeats its last executed action with this probability (MinAtar's own: 0.1)
+    norm_obs: bool = False  # observations normalised by their running mean and std, clipped to [-10, 10]
+    norm_reward: bool = False  # rewards divided by the running std of a discounted return (gym's NormalizeReward)
 
     # --- optimisation (37 details: 3 Adam eps, 4 LR annealing, 6 minibatches) --------
     num_epochs_per_cycle: int = 4  # passes over the rollout per cycle (K epochs)
@@ -155,6 +158,7 @@ class EnvCarry(NamedTuple):
     obs: jax.Array  # (N, *obs_shape)
     episode_return: jax.Array  # (N,) running return of the unfinished episode
     episode_length: jax.Array  # (N,)
+    discounted_return: jax.Array  # (N,) --norm-reward's running discounted return, zeroed after an episode ends
 
 
 class TrainState(NamedTuple):
@@ -167,6 +171,8 @@ class TrainState(NamedTuple):
     cycle: jax.Array  # cycles completed
     non_finite: jax.Array  # NaN guard: 0 while healthy, else the NON_FINITE_CHECKS index that failed
     non_finite_cycle: jax.Array  # the cycle whose update was not finite (0 while healthy)
+    obs_stats: RunningMeanStd | None  # --norm-obs: running mean and variance of the observations; else None
+    reward_stats: RunningMeanStd | None  # --norm-reward: running variance of env.discounted_return; else None
 
 
 class UpdateCarry(NamedTuple):
@@ -250,10 +256,6 @@ def log_prob_and_entropy(logits: jax.Array, action: jax.Array) -> tuple[jax.Arra
     return log_prob, entropy
 
 
-def uses_action_mask(args: Args, env: Any) -> bool:
-    return args.mask_invalid_actions and callable(getattr(env, "action_mask", None))
-
-
 def make_network(args: Args, num_actions: int) -> ActorCritic:
     return ActorCritic(num_actions, tuple(args.hidden_sizes), args.activation, args.orthogonal_init, args.shared_network)
 
@@ -267,7 +269,7 @@ def init_params(network: ActorCritic, key: jax.Array, args: Args, obs_shape: tup
 # metrics at the end of train_cycle, the environment in make_env (below the marker).
 def collect_rollout(
     params: Any, env_carry: EnvCarry, key: jax.Array, network: ActorCritic, env: Any, env_params: Any,
-    num_steps: int, mask_actions: bool, info_names: tuple[str, ...] = (),
+    num_steps: int, mask_actions: bool, info_names: tuple[str, ...] = (), obs_stats: RunningMeanStd | None = None,
 ) -> tuple[EnvCarry, Transition, dict[str, jax.Array]]:
     """Steps N envs for T steps with the current policy. Returns the new carry, the transitions,
     and `finished`: per step (T, N) the return, the length and the env's own `info` metrics
@@ -280,7 +282,7 @@ def collect_rollout(
 
     def step(carry: EnvCarry, step_input):
         step_gumbel, step_keys = step_input
-        logits = network.apply(params, carry.obs, method=ActorCritic.policy)
+        logits = network.apply(params, normalize_obs(obs_stats, carry.obs), method=ActorCritic.policy)
         action_mask = jax.vmap(env.action_mask, in_axes=(0, None))(carry.env_state, env_params) if mask_actions else None
         action = jnp.argmax(masked(logits, action_mask) + step_gumbel, axis=-1)  # Gumbel-max = categorical sample
         step_all = jax.vmap(env.step, in_axes=(0, 0, 0, None))
@@ -291,7 +293,8 @@ def collect_rollout(
         episode_end = {"charts/episodic_return": episode_return, "charts/episodic_length": episode_length}
         episode_end.update({f"env/{name}": info[name] for name in info_names})
         finished = {name: jnp.where(done, value.astype(jnp.float32), jnp.nan) for name, value in episode_end.items()}
-        new_carry = EnvCarry(env_state, next_obs, jnp.where(done, 0.0, episode_return), jnp.where(done, 0, episode_length))
+        new_carry = EnvCarry(env_state, next_obs, jnp.where(done, 0.0, episode_return), jnp.where(done, 0, episode_length),
+                             carry.discounted_return)
         transition = Transition(
             obs=carry.obs, action=action, reward=reward.astype(jnp.float32), terminated=terminated, truncated=truncated,
             final_obs=info["final_observation"], action_mask=action_mask,
@@ -452,11 +455,6 @@ METRIC_NAMES = ("charts/episodic_return", "charts/episodic_length", "charts/lear
                 *MINIBATCH_METRIC_NAMES, "losses/explained_variance", "losses/epochs_run")
 
 
-def reset_envs(key: jax.Array, env: Any, env_params: Any, num_envs: int) -> EnvCarry:
-    obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(key, num_envs), env_params)
-    return EnvCarry(env_state, obs, jnp.zeros((num_envs,), jnp.float32), jnp.zeros((num_envs,), jnp.int32))
-
-
 def train_cycle(
     state: TrainState, network: ActorCritic, optimizer: optax.GradientTransformation, env: Any, env_params: Any,
     args: Args, axis_name: str | None = None, info_names: tuple[str, ...] = (),
@@ -471,23 +469,25 @@ def train_cycle(
 
     env_carry, transitions, finished = collect_rollout(
         state.params, env_carry, rollout_key, network, env, env_params, args.num_env_steps_per_cycle, uses_action_mask(args, env),
-        info_names=info_names,
+        info_names=info_names, obs_stats=state.obs_stats,
     )
+    obs_stats = update_obs_stats(state.obs_stats, transitions.obs, axis_name)  # next cycle's; this one's stay frozen
+    reward_stats, env_carry, reward = normalize_rewards(state.reward_stats, env_carry, transitions, args.gamma, axis_name)
 
     # One batched forward pass over the whole rollout for log-probs and values, instead of one
     # per step inside the sequential loop (the same numbers).
     num_steps, num_envs = transitions.action.shape
-    obs_shape = transitions.obs.shape[2:]
-    flat_obs = transitions.obs.reshape(num_steps * num_envs, *obs_shape)
+    flat_normalized = lambda obs: normalize_obs(state.obs_stats, obs.reshape(num_steps * num_envs, *obs.shape[2:]))  # noqa: E731
+    flat_obs = flat_normalized(transitions.obs)
     logits, value = network.apply(state.params, flat_obs)
-    _, next_value = network.apply(state.params, transitions.final_obs.reshape(num_steps * num_envs, *obs_shape))
+    _, next_value = network.apply(state.params, flat_normalized(transitions.final_obs))
     flat_mask = None if transitions.action_mask is None else transitions.action_mask.reshape(-1, logits.shape[-1])
     logp, _ = log_prob_and_entropy(masked(logits, flat_mask), transitions.action.reshape(-1))
 
     done = jnp.logical_or(transitions.terminated, transitions.truncated)
     bootstrap_stops = transitions.terminated if args.bootstrap_truncated else done
     advantage, target = compute_gae(
-        transitions.reward, value.reshape(num_steps, num_envs), next_value.reshape(num_steps, num_envs),
+        reward, value.reshape(num_steps, num_envs), next_value.reshape(num_steps, num_envs),
         bootstrap_stops.astype(jnp.float32), done, args.gamma, args.gae_lambda,
     )
     batch = Batch(flat_obs, transitions.action.reshape(-1), logp, value, advantage.reshape(-1), target.reshape(-1), flat_mask)
@@ -503,7 +503,7 @@ def train_cycle(
     metrics["charts/clip_eps"] = jnp.float32(annealed(args.clip_eps, args.anneal_clip_eps, args.num_gradient_steps)(last_step))
     metrics["losses/explained_variance"] = explained_variance(batch.value, batch.target, axis_name)
     new_state = guard_non_finite(state, params, opt_state, non_finite)._replace(env=env_carry, key=key, cycle=state.cycle + 1)
-    return new_state, metrics
+    return new_state._replace(obs_stats=obs_stats, reward_stats=reward_stats), metrics
 
 
 def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | None = None, video_fn: Callable | None = None):
@@ -521,10 +521,10 @@ def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | 
         params = init_params(network, params_key, args, env.observation_space(env_params).shape)
         env_carry = reset_envs(env_key, env, env_params, args.num_parallel_envs)
         zero = jnp.int32(0)
-        return TrainState(params, optimizer.init(params), env_carry, key, cycle=zero, non_finite=zero, non_finite_cycle=zero)
+        stats = normalization_stats(args, env, env_params)  # obs_stats, reward_stats: None where --norm-obs / --norm-reward are off
+        return TrainState(params, optimizer.init(params), env_carry, key, cycle=zero, non_finite=zero, non_finite_cycle=zero, **stats)
 
-    def init(seed: int) -> TrainState:
-        return init_one(jax.random.key(seed))
+    init = lambda seed: init_one(jax.random.key(seed))  # noqa: E731  init(seed) -> TrainState
 
     axis_name = None if mesh is None else DEVICE_AXIS
     one_seed = lambda state: train_cycle(state, network, optimizer, env, env_params, args, axis_name, info_names)  # noqa: E731
@@ -608,6 +608,8 @@ def validate_args(args: Args) -> None:
     validate_wandb_args(args)
     if not args.hidden_sizes or min(args.hidden_sizes) <= 0:
         raise ConfigError(f"--hidden-sizes must be one or more positive integers, got {args.hidden_sizes}")
+    if not 0 <= args.sticky_action_prob < 1:
+        raise ConfigError(f"--sticky-action-prob must be in [0, 1), got {args.sticky_action_prob}")
 
 
 WANDB_NAME_LIMIT = 128  # characters in a wandb project or group name
@@ -645,10 +647,10 @@ CRAFTAX_IDS = ("Craftax-Classic-Symbolic-v1", "Craftax-Classic-Pixels-v1", "Craf
 XMINIGRID_PREFIXES = ("MiniGrid-", "XLand-MiniGrid-")  # every id in xminigrid.registered_environments()
 
 
-def make_env(env_id: str) -> tuple[Any, Any]:
+def make_env(env_id: str, sticky_action_prob: float = 0.0) -> tuple[Any, Any]:
     """`env_id` is a gymnax id, a Craftax id (CRAFTAX_IDS), an XLand-MiniGrid id, or
     `module.path:Name` (an Environment subclass, or a zero-argument factory returning
-    (env, env_params))."""
+    (env, env_params)). Wrapped in StickyActions only when sticky_action_prob > 0."""
     if ":" in env_id:
         module_name, _, attr_name = env_id.partition(":")
         try:
@@ -682,7 +684,63 @@ def make_env(env_id: str) -> tuple[Any, Any]:
             f"--env-id {env_id} has a {type(action_space).__name__} action space; "
             f"{Path(__file__).name} supports discrete actions only"
         )
+    if sticky_action_prob > 0:
+        env = StickyActions(env, sticky_action_prob)
     return env, env_params
+
+
+def uses_action_mask(args: Args, env: Any) -> bool:
+    return args.mask_invalid_actions and callable(getattr(env, "action_mask", None))
+
+
+def reset_envs(key: jax.Array, env: Any, env_params: Any, num_envs: int) -> EnvCarry:
+    """Fresh episodes in every env, and a zero discounted return for --norm-reward."""
+    obs, env_state = jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(key, num_envs), env_params)
+    zeros = jnp.zeros((num_envs,), jnp.float32)
+    return EnvCarry(env_state, obs, zeros, jnp.zeros((num_envs,), jnp.int32), zeros)
+
+
+class StickyState(NamedTuple):
+    env_state: Any  # the wrapped env's state
+    previous_action: jax.Array  # int32: the action executed at the previous step; 0 after a reset
+
+
+@dataclasses.dataclass(frozen=True)
+class StickyActions:
+    """--sticky-action-prob p (Machado et al. 2018; MinAtar's own default is 0.1, gymnax has none):
+    at every step, with probability p, the env executes its previous executed action instead of
+    the agent's. The coin's key is split from the step's key. The transition still stores the
+    agent's action: the policy's log-prob is of what the agent chose. With an env that has an
+    action_mask, an action is only repeated while the mask still allows it."""
+
+    env: Any
+    prob: float
+
+    def reset(self, key: jax.Array, params: Any) -> tuple[jax.Array, StickyState]:
+        obs, env_state = self.env.reset(key, params)
+        return obs, StickyState(env_state, jnp.int32(0))
+
+    def step(self, key: jax.Array, state: StickyState, action: jax.Array, params: Any):
+        step_key, coin_key = jax.random.split(key)
+        repeat = jax.random.uniform(coin_key) < self.prob
+        if self.action_mask is not None:
+            repeat = repeat & self.action_mask(state, params)[state.previous_action]
+        executed = jnp.where(repeat, state.previous_action, action).astype(jnp.int32)
+        obs, env_state, reward, terminated, truncated, info = self.env.step(step_key, state.env_state, executed, params)
+        previous_action = jnp.where(jnp.logical_or(terminated, truncated), 0, executed)  # the episode was reset
+        return obs, StickyState(env_state, previous_action), reward, terminated, truncated, info
+
+    @property
+    def action_mask(self) -> Callable | None:
+        """The env's own action_mask on the wrapped state; None when the env has none."""
+        env_mask = getattr(self.env, "action_mask", None)
+        return None if not callable(env_mask) else lambda state, params: env_mask(state.env_state, params)
+
+    def action_space(self, params: Any = None) -> spaces.Discrete:
+        return self.env.action_space(params)
+
+    def observation_space(self, params: Any = None) -> Any:
+        return self.env.observation_space(params)
 
 
 def did_you_mean(env_id: str) -> str:
@@ -952,6 +1010,92 @@ def stack_seeds(trees: list[Any]) -> Any:
     return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
 
 
+# --- observation and reward normalisation (37 details: 28-30) ------------------------------
+# As gym's NormalizeObservation and NormalizeReward (the wrappers of CleanRL's PPO), but inside
+# the jit: the statistics live in the TrainState, and are updated once per cycle from the whole
+# rollout (observations) or step by step with the batch of envs (rewards), after the rollout.
+
+RUNNING_STATS_INITIAL_COUNT = 1e-4  # gym's RunningMeanStd(epsilon=1e-4)
+NORMALIZE_EPS = 1e-8  # in sqrt(var + eps)
+OBS_CLIP = 10.0  # normalised observations are clipped to [-10, 10]
+
+
+class RunningMeanStd(NamedTuple):
+    """Running mean and variance of a stream of batches, per feature."""
+
+    mean: jax.Array
+    var: jax.Array
+    count: jax.Array  # float32, starts at RUNNING_STATS_INITIAL_COUNT
+
+
+def running_mean_std(shape: tuple[int, ...]) -> RunningMeanStd:
+    """Mean 0, variance 1, count 1e-4, as gym's RunningMeanStd starts."""
+    ones = jnp.ones(shape, jnp.float32)
+    return RunningMeanStd(jnp.zeros(shape, jnp.float32), ones, jnp.float32(RUNNING_STATS_INITIAL_COUNT))
+
+
+def normalization_stats(args: Args, env: Any, env_params: Any) -> dict[str, RunningMeanStd | None]:
+    """The initial obs_stats and reward_stats of a TrainState; None for a flag that is off."""
+    return {
+        "obs_stats": running_mean_std(env.observation_space(env_params).shape) if args.norm_obs else None,
+        "reward_stats": running_mean_std(()) if args.norm_reward else None,
+    }
+
+
+def update_running_mean_std(stats: RunningMeanStd, batch: jax.Array, axis_name: str | None) -> RunningMeanStd:
+    """The parallel-variance update (Chan et al.) with the moments of `batch` (axis 0: the batch),
+    as gym's RunningMeanStd.update; under shard_map the batch is every device's share."""
+    batch = batch.astype(jnp.float32)
+    batch_count = sum_over_devices(jnp.float32(batch.shape[0]), axis_name)
+    batch_mean = sum_over_devices(batch.sum(axis=0), axis_name) / batch_count
+    batch_var = sum_over_devices(((batch - batch_mean) ** 2).sum(axis=0), axis_name) / batch_count
+    delta = batch_mean - stats.mean
+    count = stats.count + batch_count
+    mean = stats.mean + delta * batch_count / count
+    sum_of_squares = stats.var * stats.count + batch_var * batch_count + delta**2 * stats.count * batch_count / count
+    return RunningMeanStd(mean, sum_of_squares / count, count)
+
+
+def normalize_obs(stats: RunningMeanStd | None, obs: jax.Array) -> jax.Array:
+    """(obs - mean) / sqrt(var + 1e-8), clipped to [-10, 10]; obs itself when stats is None
+    (--norm-obs off). obs (..., *obs_shape)."""
+    if stats is None:
+        return obs
+    return jnp.clip((obs.astype(jnp.float32) - stats.mean) / jnp.sqrt(stats.var + NORMALIZE_EPS), -OBS_CLIP, OBS_CLIP)
+
+
+def update_obs_stats(stats: RunningMeanStd | None, obs: jax.Array, axis_name: str | None) -> RunningMeanStd | None:
+    """The stats after a rollout's raw observations obs (T, N, *obs_shape); None stays None."""
+    if stats is None:
+        return None
+    return update_running_mean_std(stats, obs.reshape(-1, *stats.mean.shape), axis_name)
+
+
+def normalize_rewards(
+    stats: RunningMeanStd | None, env_carry: EnvCarry, transitions: Transition, gamma: float, axis_name: str | None
+) -> tuple[RunningMeanStd | None, EnvCarry, jax.Array]:
+    """--norm-reward (37 details: 30), step by step as gym's NormalizeReward (gym 0.21-0.25, as
+    the 37 details used it): per env, ret = ret * gamma + reward; the variance of ret is updated
+    with the batch of N envs; the reward becomes reward / sqrt(var + 1e-8) (no mean subtracted);
+    then ret = 0 where the episode ended (done = terminated or truncated). Returns the new stats,
+    env_carry with the new discounted_return, and the rewards (T, N) to train on (the raw ones
+    when stats is None)."""
+    if stats is None:
+        return None, env_carry, transitions.reward
+    done = jnp.logical_or(transitions.terminated, transitions.truncated)
+
+    def step(carry, step_input):
+        stats, discounted_return = carry
+        reward, done = step_input
+        discounted_return = discounted_return * gamma + reward
+        stats = update_running_mean_std(stats, discounted_return, axis_name)
+        scaled = reward / jnp.sqrt(stats.var + NORMALIZE_EPS)
+        return (stats, jnp.where(done, 0.0, discounted_return)), scaled
+
+    (stats, discounted_return), reward = jax.lax.scan(step, (stats, env_carry.discounted_return), (transitions.reward, done))
+    return stats, env_carry._replace(discounted_return=discounted_return), reward
+
+
 # --- the NaN guard ------------------------------------------------------------------------
 # A seed whose loss, gradient or parameters stop being finite keeps its last good parameters
 # and applies no update from then on; run() reports it and exits with code 1.
@@ -1066,13 +1210,17 @@ def start_evaluation(key: jax.Array, env: Any, env_params: Any, args: Args) -> E
     return EvalCarry(env_carry, jnp.zeros((args.eval_episodes,), bool), key, jnp.int32(0))
 
 
-def eval_step(params: Any, carry: EvalCarry, network: ActorCritic, env: Any, env_params: Any, args: Args) -> EvalCarry:
+def eval_step(
+    params: Any, carry: EvalCarry, network: ActorCritic, env: Any, env_params: Any, args: Args,
+    obs_stats: RunningMeanStd | None = None,
+) -> EvalCarry:
     """One step of every eval env. The policy is called as in collect_rollout (the only call of
-    the evaluation), with invalid actions masked the same way; --eval-greedy takes the argmax of
-    the masked logits, else a sample (Gumbel-max, as in training)."""
+    the evaluation), with invalid actions masked the same way and, with --norm-obs, the
+    observations normalised by the statistics as they stand (evaluation never updates them);
+    --eval-greedy takes the argmax of the masked logits, else a sample (Gumbel-max, as in training)."""
     env_carry = carry.env
     key, action_key, env_key = jax.random.split(carry.key, 3)
-    logits = network.apply(params, env_carry.obs, method=ActorCritic.policy)
+    logits = network.apply(params, normalize_obs(obs_stats, env_carry.obs), method=ActorCritic.policy)
     mask_actions = uses_action_mask(args, env)
     action_mask = jax.vmap(env.action_mask, in_axes=(0, None))(env_carry.env_state, env_params) if mask_actions else None
     noise = 0.0 if args.eval_greedy else jax.random.gumbel(action_key, logits.shape)
@@ -1083,12 +1231,14 @@ def eval_step(params: Any, carry: EvalCarry, network: ActorCritic, env: Any, env
     )
     running = ~carry.finished
     episode_return = env_carry.episode_return + jnp.where(running, reward.astype(jnp.float32), 0.0)
-    env_carry = EnvCarry(env_state, obs, episode_return, env_carry.episode_length + running)
+    env_carry = env_carry._replace(env_state=env_state, obs=obs, episode_return=episode_return,
+                                   episode_length=env_carry.episode_length + running)
     return EvalCarry(env_carry, carry.finished | terminated | truncated, key, carry.num_steps + 1)
 
 
 def evaluate_policy(
-    params: Any, key: jax.Array, network: ActorCritic, env: Any, env_params: Any, args: Args
+    params: Any, key: jax.Array, network: ActorCritic, env: Any, env_params: Any, args: Args,
+    obs_stats: RunningMeanStd | None = None,
 ) -> dict[str, jax.Array]:
     """--eval-episodes fresh envs play with `params` until each has finished its first episode,
     or max_eval_steps. Returns eval/episodic_return and eval/episodic_length: their means over
@@ -1096,7 +1246,7 @@ def evaluate_policy(
     max_steps = max_eval_steps(env_params)
     carry = jax.lax.while_loop(
         lambda carry: ~jnp.all(carry.finished) & (carry.num_steps < max_steps),
-        lambda carry: eval_step(params, carry, network, env, env_params, args),
+        lambda carry: eval_step(params, carry, network, env, env_params, args, obs_stats),
         start_evaluation(key, env, env_params, args),
     )
     finished_only = lambda x: jnp.where(carry.finished, x.astype(jnp.float32), jnp.nan)  # noqa: E731
@@ -1117,18 +1267,19 @@ def with_evaluation(
     names = eval_metric_names(args)
     if not names and video_fn is None:
         return cycle_of_every_seed, metric_names
-    evaluate_one_seed = lambda params, key: evaluate_policy(params, key, network, env, env_params, args)  # noqa: E731
+    evaluate_one_seed = lambda params, obs_stats, key: evaluate_policy(params, key, network, env, env_params, args, obs_stats)  # noqa: E731
+    first = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
     evaluate_every_seed = jax.vmap(evaluate_one_seed) if args.num_seeds > 1 else (  # see vmap_over_seeds
-        lambda params, keys: jax.tree.map(lambda x: x[None], evaluate_one_seed(jax.tree.map(lambda x: x[0], params), keys[0]))
+        lambda params, obs_stats, keys: jax.tree.map(lambda x: x[None], evaluate_one_seed(first(params), first(obs_stats), keys[0]))
     )
 
     def evaluate(states: TrainState) -> dict[str, jax.Array]:
         keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(states.key, EVAL_KEY_TAG)  # TrainState.key is not consumed
         if video_fn is not None:
-            seed_0_params = jax.tree.map(lambda x: x[0], states.params)
-            video = record_video_episode(seed_0_params, keys[0], network, env, env_params, args)
+            seed_0 = jax.tree.map(lambda x: x[0], (states.params, states.obs_stats))
+            video = record_video_episode(seed_0[0], keys[0], network, env, env_params, args, seed_0[1])
             jax.debug.callback(video_fn, states.cycle[0], *video)
-        return evaluate_every_seed(states.params, keys) if names else {}
+        return evaluate_every_seed(states.params, states.obs_stats, keys) if names else {}
 
     def no_evaluation(states: TrainState) -> dict[str, jax.Array]:
         return {name: jnp.full(states.cycle.shape, jnp.nan) for name in names}
@@ -1151,22 +1302,30 @@ CHANNEL_COLOURS = [
 ]
 
 
-def record_video_episode(params: Any, key: jax.Array, network: ActorCritic, env: Any, env_params: Any, args: Args):
+def record_video_episode(
+    params: Any, key: jax.Array, network: ActorCritic, env: Any, env_params: Any, args: Args,
+    obs_stats: RunningMeanStd | None = None,
+):
     """The episode of evaluate_policy's first env for this key, step by step as it plays there,
     until it ends or for VIDEO_MAX_FRAMES steps: (VIDEO_MAX_FRAMES, ...) arrays of the env state
     before each step, the frame shown and whether the episode has ended (zeros after its end)."""
-    first_env = lambda carry: (jax.tree.map(lambda x: x[0], carry.env.env_state), carry.env.obs[0])  # noqa: E731
+    first_env = lambda carry: (jax.tree.map(lambda x: x[0], without_sticky_actions(carry.env.env_state)), carry.env.obs[0])  # noqa: E731
     carry = start_evaluation(key, env, env_params, args)
     buffers = jax.tree.map(lambda x: jnp.zeros((VIDEO_MAX_FRAMES, *x.shape), x.dtype), (*first_env(carry), carry.finished[0]))
 
     def step(loop: tuple[EvalCarry, Any]) -> tuple[EvalCarry, Any]:
         carry, buffers = loop
-        new_carry = eval_step(params, carry, network, env, env_params, args)
+        new_carry = eval_step(params, carry, network, env, env_params, args, obs_stats)
         recorded = (*first_env(carry), new_carry.finished[0])
         return new_carry, jax.tree.map(lambda buffer, x: buffer.at[carry.num_steps].set(x), buffers, recorded)
 
     running = lambda loop: ~loop[0].finished[0] & (loop[0].num_steps < VIDEO_MAX_FRAMES)  # noqa: E731
     return jax.lax.while_loop(running, step, (carry, buffers))[1]
+
+
+def without_sticky_actions(env_state: Any) -> Any:
+    """The wrapped env's own state, which the renderers draw (--sticky-action-prob adds a layer)."""
+    return env_state.env_state if isinstance(env_state, StickyState) else env_state
 
 
 def minatar_image(frame) -> Any:
@@ -1606,6 +1765,23 @@ def load_params(run_dir: str | Path) -> tuple[Args, Any]:
     return args, params
 
 
+OBS_STATS_FILE = "obs_stats.msgpack"  # a --norm-obs run's final observation statistics
+
+
+def load_obs_stats(run_dir: str | Path) -> RunningMeanStd:
+    """The final --norm-obs statistics of every seed (leading seed axis), from RUN_DIR alone;
+    the policy in params.msgpack sees normalize_obs(stats, obs)."""
+    run_dir = Path(run_dir)
+    args = args_from_json(run_dir / "args.json")
+    env, env_params = make_env(args.env_id)
+    template = stack_seeds([running_mean_std(env.observation_space(env_params).shape)] * args.num_seeds)
+    path = run_dir / OBS_STATS_FILE
+    try:
+        return flax.serialization.from_bytes(template, path.read_bytes())
+    except Exception as error:  # missing, or damaged: msgpack and flax raise several kinds
+        raise ConfigError(f"{path} is missing or damaged ({type(error).__name__}: {error})") from None
+
+
 # --- CPU settings, applied by run() -------------------------------------------------------
 
 
@@ -1834,7 +2010,7 @@ def run(args: Args) -> dict[str, Any]:
     validate_args(args)
     avoid_cpu_qr_deadlock()
     use_unrolled_threefry_on_cpu()
-    env, env_params = make_env(args.env_id)
+    env, env_params = make_env(args.env_id, args.sticky_action_prob)
     mesh = make_mesh(args)
     if args.resume:
         run_dir, checkpointer = prepare_resume(args)
@@ -1918,6 +2094,8 @@ def run(args: Args) -> dict[str, Any]:
         "failures": failures,
     }
     (run_dir / "params.msgpack").write_bytes(flax.serialization.to_bytes(states.params))
+    if states.obs_stats is not None:  # --norm-obs: the policy needs them too (load_obs_stats)
+        (run_dir / OBS_STATS_FILE).write_bytes(flax.serialization.to_bytes(states.obs_stats))
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     finish_wandb_runs(args, wandb_runs, summary)
     print(

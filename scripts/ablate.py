@@ -83,6 +83,12 @@ DETAILS = (
     Detail("frame-stack", ("frame_stack",), lambda default: 4 if default == 1 else 1, "4 stacked frames (vs 1)"),
     Detail("lstm-training", ("lstm_training",), lambda default: "stored" if default == "bptt" else "bptt",
            "LSTM trained by BPTT vs from stored carries"),
+    Detail("norm-obs", ("norm_obs",), lambda default: not default, "observation normalisation toggled (37 details: 28, 29)"),
+    Detail("norm-reward", ("norm_reward",), lambda default: not default, "reward scaling toggled (37 details: 30)"),
+    Detail("sticky-actions", ("sticky_action_prob",), lambda default: 0.1 if default == 0 else 0.0,
+           "sticky actions with p = 0.1 (MinAtar's own default; vs none)"),
+    Detail("torso", ("torso",), lambda default: "nature" if default == "impala" else "impala",
+           "Nature CNN vs IMPALA CNN torso (37 details: 21)"),
 )
 DETAIL_NAMES = [detail.name for detail in DETAILS]
 

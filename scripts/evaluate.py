@@ -10,7 +10,9 @@ the file args.json records (a renamed copy too), else the file of that name in t
 Prints `mean_return: X ± Y` (std over all episodes of all seeds), then one line per seed.
 
 As in training: the LSTM's carry is threaded through the steps and reset where an episode
-starts, frames are stacked, and invalid actions are masked where the env has an `action_mask`.
+starts, frames are stacked, invalid actions are masked where the env has an `action_mask`, and a
+`ppo_mlp.py --norm-obs` run's observations are normalised with its saved final statistics. The
+env has no sticky actions (whatever --sticky-action-prob the run trained with).
 --gif records the first episode of the first seed's first env with the training script's own
 renderers (those of its --capture-video): MinAtar channels as coloured cells, CartPole and
 Acrobot as a line drawing of the state.
@@ -64,7 +66,11 @@ class MLPAgent(Agent):
         return frame
 
     def logits(self, params, agent, env_state):
-        logits, _ = self.network.apply(params, agent)
+        if getattr(self.args, "norm_obs", False):  # params is (params, obs_stats): see evaluate()
+            params, obs_stats = params
+            logits, _ = self.network.apply(params, self.module.normalize_obs(obs_stats, agent))
+        else:
+            logits, _ = self.network.apply(params, agent)
         return self.masked(logits, env_state), agent
 
     def observe(self, agent, next_frame, done):
@@ -164,7 +170,9 @@ def evaluate(run_dir: Path, episodes: int, greedy: bool, seed: int, gif: Path | 
         raise UsageError(f"{run_dir} was written by an older {script} without {', '.join(missing)}; evaluate it with that version")
     try:
         args, params = module.load_params(run_dir)
-    except module.ConfigError as error:  # a damaged args.json or params.msgpack
+        if getattr(args, "norm_obs", False):  # the policy sees observations normalised as in training
+            params = (params, module.load_obs_stats(run_dir))
+    except module.ConfigError as error:  # a damaged args.json, params.msgpack or obs_stats.msgpack
         raise UsageError(str(error)) from error
     env, env_params = module.make_env(args.env_id)
     render = module.frame_renderer(args.env_id, env_params) if gif is not None else None

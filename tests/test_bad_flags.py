@@ -64,6 +64,9 @@ COMMON = [
     (["--resume", ""], "--resume"),
     (["--resume", "no/such/run"], "--resume"),
     (["--no-such-flag", "1"], "--no-such-flag"),
+    (["--sticky-action-prob", "1"], "--sticky-action-prob"),
+    (["--sticky-action-prob", "-0.1"], "--sticky-action-prob"),
+    (["--sticky-action-prob", "nan"], "--sticky-action-prob"),
 ]
 ONLY = {
     "ppo_mlp.py": [
@@ -71,6 +74,7 @@ ONLY = {
         (["--hidden-sizes", "64", "0"], "--hidden-sizes"),
         (["--activation", "sigmoid"], "--activation"),
         (["--impala-channels", "16"], "--impala-channels"),  # the other script's flag
+        (["--torso", "nature"], "--torso"),  # the other script's flag
     ],
     "ppo_lstm_impala.py": [
         (["--impala-channels"], "--impala-channels"),
@@ -82,6 +86,9 @@ ONLY = {
         (["--num-parallel-envs", "6", "--num-minibatches-per-epoch", "4"], "--num-minibatches-per-epoch"),  # bptt
         (["--env-id", "CartPole-v1"], "--env-id"),  # vector observations
         (["--hidden-sizes", "64"], "--hidden-sizes"),  # the other script's flag
+        (["--norm-obs"], "--norm-obs"),  # ppo_mlp.py's flag: image observations are not normalised
+        (["--torso", "resnet"], "--torso"),
+        (["--torso", "nature", "--env-id", "probe_envs:ConstantRewardImage"], "--torso nature"),  # 3x3 images
     ],
 }
 CASES = [(script, argv, name) for script in ONLY for argv, name in COMMON + ONLY[script]]

@@ -203,3 +203,30 @@ def test_capture_video_of_an_env_without_a_renderer_warns_once_and_records_nothi
     assert not (tmp_path / "videos").exists()
     cartpole = ppo_mlp.Args(capture_video=True)
     assert isinstance(ppo_mlp.make_video_recorder(cartpole, *ppo_mlp.make_env(cartpole.env_id), tmp_path, logger), ppo_mlp.VideoRecorder)
+
+
+class SignPolicy:
+    """A stand-in network: greedy takes action 0 where the first observation feature is
+    positive, else action 1."""
+
+    def apply(self, params, obs, method=None):
+        return jnp.stack([obs[:, 0], -obs[:, 0]], axis=-1)
+
+
+def test_evaluation_normalises_observations_with_the_runs_statistics():
+    """ppo_mlp.py --norm-obs: the evaluation's policy sees normalised observations. On
+    ActionDependentReward (action 0 pays 1, action 1 pays -1; the observation is 0), statistics
+    with mean -1 make the normalised first feature +1 and the greedy SignPolicy takes action 0;
+    mean +1 makes it -1 and the policy takes action 1. Raw observations would give the same
+    action both times."""
+    args = ppo_mlp.Args(eval_episodes=4)
+    env, env_params = ppo_mlp.make_env("probe_envs:ActionDependentReward")
+    key = jax.random.key(0)
+    obs_shape = env.observation_space(env_params).shape
+    returns = [
+        float(ppo_mlp.evaluate_policy(
+            None, key, SignPolicy(), env, env_params, args, ppo_mlp.running_mean_std(obs_shape)._replace(mean=jnp.full(obs_shape, mean))
+        )["eval/episodic_return"])
+        for mean in (-1.0, 1.0)
+    ]
+    assert returns == [1.0, -1.0]

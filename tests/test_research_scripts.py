@@ -123,6 +123,22 @@ def test_null_returns_are_missing_values_not_zeros(tmp_path):
     assert seeds == [1, 2] and np.isnan(values[0, 0]) and values[0, 1] == 10.0
 
 
+def test_ablate_flips_normalisation_sticky_actions_and_the_torso_where_the_script_has_them():
+    import ablate
+    from runs import script_defaults
+
+    details = {detail.name: detail for detail in ablate.DETAILS}
+    expected = {  # detail: (ppo_mlp.py's flags or None when skipped, ppo_lstm_impala.py's)
+        "norm-obs": (["--norm-obs"], None),
+        "norm-reward": (["--norm-reward"], ["--norm-reward"]),
+        "sticky-actions": (["--sticky-action-prob", "0.1"], ["--sticky-action-prob", "0.1"]),
+        "torso": (None, ["--torso", "nature"]),
+    }
+    for name, flags in expected.items():
+        for script, script_flags in zip(["ppo_mlp.py", "ppo_lstm_impala.py"], flags):
+            assert ablate.detail_flags(details[name], script_defaults(script))[0] == script_flags, (name, script)
+
+
 def test_ablate_table_has_the_baseline_and_the_flipped_details(tmp_path):
     out_dir = tmp_path / "ablation"
     result = run_script("scripts/ablate.py", "--script", "ppo_mlp.py", "--env-id", "CartPole-v1", "--num-seeds", "2",
