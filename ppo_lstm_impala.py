@@ -1909,9 +1909,9 @@ class MetricsLogger:
         return {prefix + name: value for name, value in zip(self.metric_names, values) if math.isfinite(value)}
 
     def log_video(self, path: Path, cycle: int) -> None:
-        """A video (--capture-video) to wandb, with --track (seed 0's run): at the env steps of its cycle, with
-        that cycle's metrics row when the row is still to come, else at once (wandb's steps only
-        grow)."""
+        """A video (--capture-video) to wandb, with --track, in seed 0's run: at the env steps of its
+        cycle, with that cycle's metrics row when the row is still to come, else at once (wandb's
+        steps only grow)."""
         if not self.wandb_runs:
             return
         import wandb

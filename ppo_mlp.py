@@ -1276,8 +1276,7 @@ def with_evaluation(
     def evaluate(states: TrainState) -> dict[str, jax.Array]:
         keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(states.key, EVAL_KEY_TAG)  # TrainState.key is not consumed
         if video_fn is not None:
-            seed_0 = jax.tree.map(lambda x: x[0], (states.params, states.obs_stats))
-            video = record_video_episode(seed_0[0], keys[0], network, env, env_params, args, seed_0[1])
+            video = record_video_episode(first(states.params), keys[0], network, env, env_params, args, first(states.obs_stats))
             jax.debug.callback(video_fn, states.cycle[0], *video)
         return evaluate_every_seed(states.params, states.obs_stats, keys) if names else {}
 
@@ -1632,9 +1631,9 @@ class MetricsLogger:
         return {prefix + name: value for name, value in zip(self.metric_names, values) if math.isfinite(value)}
 
     def log_video(self, path: Path, cycle: int) -> None:
-        """A video (--capture-video) to wandb, with --track (seed 0's run): at the env steps of its cycle, with
-        that cycle's metrics row when the row is still to come, else at once (wandb's steps only
-        grow)."""
+        """A video (--capture-video) to wandb, with --track, in seed 0's run: at the env steps of its
+        cycle, with that cycle's metrics row when the row is still to come, else at once (wandb's
+        steps only grow)."""
         if not self.wandb_runs:
             return
         import wandb
