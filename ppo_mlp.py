@@ -58,6 +58,7 @@ class Args:
     reset_envs_each_cycle: bool = False  # UED style: every cycle starts from fresh episodes
     bootstrap_truncated: bool = True  # time-limit steps bootstrap from V(final_observation); off: as terminations
     sticky_action_prob: float = 0.0  # the env repeats its last executed action with this probability (MinAtar's own: 0.1)
+    optimistic_reset_ratio: int = 1  # Craftax, XLand-MiniGrid: ceil(envs / R) new episodes per step (Craftax's PPO: 16)
     norm_obs: bool = False  # observations normalised by their running mean and std, clipped to [-10, 10]
     norm_reward: bool = False  # rewards divided by the running std of a discounted return (gym's NormalizeReward)
 
@@ -285,8 +286,8 @@ def collect_rollout(
         logits = network.apply(params, normalize_obs(obs_stats, carry.obs), method=ActorCritic.policy)
         action_mask = jax.vmap(env.action_mask, in_axes=(0, None))(carry.env_state, env_params) if mask_actions else None
         action = jnp.argmax(masked(logits, action_mask) + step_gumbel, axis=-1)  # Gumbel-max = categorical sample
-        step_all = jax.vmap(env.step, in_axes=(0, 0, 0, None))
-        next_obs, env_state, reward, terminated, truncated, info = step_all(step_keys, carry.env_state, action, env_params)
+        stepped = step_envs(env, step_keys, carry.env_state, action, env_params)
+        next_obs, env_state, reward, terminated, truncated, info = stepped
         done = jnp.logical_or(terminated, truncated)
         episode_return = carry.episode_return + reward
         episode_length = carry.episode_length + 1
@@ -610,6 +611,8 @@ def validate_args(args: Args) -> None:
         raise ConfigError(f"--hidden-sizes must be one or more positive integers, got {args.hidden_sizes}")
     if not 0 <= args.sticky_action_prob < 1:
         raise ConfigError(f"--sticky-action-prob must be in [0, 1), got {args.sticky_action_prob}")
+    if args.optimistic_reset_ratio < 1:
+        raise ConfigError(f"--optimistic-reset-ratio must be at least 1, got {args.optimistic_reset_ratio}")
 
 
 WANDB_NAME_LIMIT = 128  # characters in a wandb project or group name
@@ -647,10 +650,11 @@ CRAFTAX_IDS = ("Craftax-Classic-Symbolic-v1", "Craftax-Classic-Pixels-v1", "Craf
 XMINIGRID_PREFIXES = ("MiniGrid-", "XLand-MiniGrid-")  # every id in xminigrid.registered_environments()
 
 
-def make_env(env_id: str, sticky_action_prob: float = 0.0) -> tuple[Any, Any]:
+def make_env(env_id: str, sticky_action_prob: float = 0.0, optimistic_reset_ratio: int = 1) -> tuple[Any, Any]:
     """`env_id` is a gymnax id, a Craftax id (CRAFTAX_IDS), an XLand-MiniGrid id, or
     `module.path:Name` (an Environment subclass, or a zero-argument factory returning
-    (env, env_params)). Wrapped in StickyActions only when sticky_action_prob > 0."""
+    (env, env_params)). Wrapped in StickyActions only when sticky_action_prob > 0; a suite's env
+    resets optimistically (SuiteEnv.step_batch) when optimistic_reset_ratio > 1."""
     if ":" in env_id:
         module_name, _, attr_name = env_id.partition(":")
         try:
@@ -684,6 +688,16 @@ def make_env(env_id: str, sticky_action_prob: float = 0.0) -> tuple[Any, Any]:
             f"--env-id {env_id} has a {type(action_space).__name__} action space; "
             f"{Path(__file__).name} supports discrete actions only"
         )
+    if optimistic_reset_ratio > 1:
+        if not isinstance(env, SuiteEnv):
+            raise ConfigError(
+                f"--optimistic-reset-ratio applies to Craftax and XLand-MiniGrid ids only; --env-id {env_id} resets its "
+                "episodes inside its own step"
+            )
+        if sticky_action_prob > 0:
+            raise ConfigError("--optimistic-reset-ratio above 1 cannot be combined with --sticky-action-prob (the "
+                              "sticky-action wrapper steps one env at a time)")
+        env = dataclasses.replace(env, reset_ratio=optimistic_reset_ratio)
     if sticky_action_prob > 0:
         env = StickyActions(env, sticky_action_prob)
     return env, env_params
@@ -771,18 +785,53 @@ def import_suite(module_name: str, env_id: str) -> Any:
 @dataclasses.dataclass(frozen=True)
 class SuiteEnv:
     """An env of another suite behind the gymnax interface above: reset(key, params) -> (obs,
-    state) and step(key, state, action, params), which resets the episode itself."""
+    state) and step(key, state, action, params), which resets a finished episode itself. The
+    adapter supplies `step_without_reset`: (final obs, final state, reward, terminated,
+    truncated, info)."""
 
     reset: Callable
-    step: Callable
+    step_without_reset: Callable
     num_actions: int
     obs_shape: tuple[int, ...]
+    reset_ratio: int = 1  # --optimistic-reset-ratio: used by step_batch
+
+    def step(self, key: jax.Array, state: Any, action: jax.Array, params: Any):
+        """One env; a finished episode restarts from reset(its own reset key): exact, but under
+        vmap XLA runs the reset for every env at every step."""
+        step_key, reset_key = jax.random.split(key)
+        final_obs, final_state, reward, terminated, truncated, info = self.step_without_reset(step_key, state, action, params)
+        obs, state = where_done(terminated | truncated, self.reset(reset_key, params), (final_obs, final_state))
+        return obs, state, reward, terminated, truncated, {**info, "final_observation": final_obs}
+
+    def step_batch(self, keys: jax.Array, states: Any, actions: jax.Array, params: Any):
+        """N envs. With --optimistic-reset-ratio R > 1 (as Craftax's own PPO, which uses 16) only
+        M = ceil(N / R) new episodes are generated per step, from the first M envs' reset keys,
+        and the k-th env to finish at this step (in env order) takes new episode k mod M: exact
+        while at most M episodes end at once, beyond that some envs restart from the same state."""
+        if self.reset_ratio == 1:
+            return jax.vmap(self.step, in_axes=(0, 0, 0, None))(keys, states, actions, params)
+        step_keys, reset_keys = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
+        stepped = jax.vmap(self.step_without_reset, in_axes=(0, 0, 0, None))(step_keys, states, actions, params)
+        final_obs, final_states, reward, terminated, truncated, info = stepped
+        done = terminated | truncated
+        num_resets = -(-done.shape[0] // self.reset_ratio)
+        new_episodes = jax.vmap(self.reset, in_axes=(0, None))(reset_keys[:num_resets], params)
+        which = (jnp.cumsum(done) - 1) % num_resets
+        obs, states = jax.vmap(where_done)(done, jax.tree.map(lambda x: x[which], new_episodes), (final_obs, final_states))
+        return obs, states, reward, terminated, truncated, {**info, "final_observation": final_obs}
 
     def action_space(self, params: Any = None) -> spaces.Discrete:
         return spaces.Discrete(self.num_actions)
 
     def observation_space(self, params: Any = None) -> spaces.Box:
         return spaces.Box(0.0, 1.0, self.obs_shape, jnp.float32)
+
+
+def step_envs(env: Any, keys: jax.Array, states: Any, actions: jax.Array, params: Any):
+    """Steps a batch of envs: env.step under vmap, or a suite's step_batch (optimistic resets)."""
+    if isinstance(env, SuiteEnv):
+        return env.step_batch(keys, states, actions, params)
+    return jax.vmap(env.step, in_axes=(0, 0, 0, None))(keys, states, actions, params)
 
 
 def where_done(done: jax.Array, reset: Any, stepped: Any) -> Any:
@@ -797,27 +846,23 @@ def craftax_env(env_id: str) -> tuple[SuiteEnv, Any]:
     """Craftax (Matthews et al. 2024), made without its auto-reset and reset here. Its `done`
     includes the time limit (params.max_timesteps: 10,000 steps in Classic, 100,000 in Craftax):
     here game over (death, lava, the final boss beaten) terminates and the limit truncates.
-    A finished episode restarts in a world generated from its own key: exact, but under vmap XLA
-    generates a world for every env at every step (slow on CPU; see the README)."""
+    Generating a world costs about 40 steps: see --optimistic-reset-ratio in the README."""
     craftax = import_suite("craftax.craftax_env", env_id).make_craftax_env_from_name(env_id, auto_reset=False)
     env_params = craftax.default_params
 
-    def step(key, state, action, params):
-        step_key, reset_key = jax.random.split(key)
-        final_obs, final_state, reward, done, craftax_info = craftax.step_env(step_key, state, action, params)
+    def step_without_reset(key, state, action, params):
+        final_obs, final_state, reward, done, craftax_info = craftax.step_env(key, state, action, params)
         terminated = craftax.is_terminal(final_state, params.replace(max_timesteps=jnp.iinfo(jnp.int32).max))  # no limit
         truncated = done & ~terminated
-        obs, state = where_done(done, craftax.reset_env(reset_key, params), (final_obs, final_state))
         info = {  # Craftax reports 100 x achieved at episode ends (0 elsewhere): here 1 or 0
             ACHIEVEMENT_PREFIX + name.partition("/")[2]: value / 100.0
             for name, value in craftax_info.items() if name.startswith("Achievements/")
         }
-        info.update(discount=1.0 - terminated.astype(jnp.float32), terminated=terminated, truncated=truncated,
-                    final_observation=final_obs)
-        return obs, state, reward, terminated, truncated, info
+        info.update(discount=1.0 - terminated.astype(jnp.float32), terminated=terminated, truncated=truncated)
+        return final_obs, final_state, reward, terminated, truncated, info
 
     obs_shape = tuple(craftax.observation_space(env_params).shape)
-    return SuiteEnv(craftax.reset_env, step, craftax.num_actions, obs_shape), env_params
+    return SuiteEnv(craftax.reset_env, step_without_reset, craftax.num_actions, obs_shape), env_params
 
 
 XMINIGRID_DIRECTIONS = 4  # the agent faces one of 4 directions
@@ -854,22 +899,19 @@ def xminigrid_env(env_id: str) -> tuple[SuiteEnv, Any]:
         timestep = minigrid.reset(params, key)
         return encode(timestep), timestep
 
-    def step(key, timestep, action, params):  # xminigrid's step is deterministic: the key is the reset's
+    def step_without_reset(key, timestep, action, params):  # xminigrid's step is deterministic: no key
         final = minigrid.step(params, timestep, action)
-        done = final.last()
-        terminated = done & (final.discount == 0.0)
-        truncated = done & ~terminated
-        timestep = where_done(done, minigrid.reset(params, key), final)
+        terminated = final.last() & (final.discount == 0.0)
+        truncated = final.last() & ~terminated
         info = {
             "success": (terminated & (final.reward > 0.0)).astype(jnp.float32),
             "discount": final.discount, "terminated": terminated, "truncated": truncated,
-            "final_observation": encode(final),
         }
-        return encode(timestep), timestep, final.reward, terminated, truncated, info
+        return encode(final), final, final.reward, terminated, truncated, info
 
     view = minigrid.observation_shape(env_params)[0]
     obs_shape = (view, view, NUM_TILES + NUM_COLORS + XMINIGRID_DIRECTIONS)
-    return SuiteEnv(reset, step, minigrid.num_actions(env_params), obs_shape), env_params
+    return SuiteEnv(reset, step_without_reset, minigrid.num_actions(env_params), obs_shape), env_params
 
 
 # --- env info metrics ---------------------------------------------------------------------
@@ -1226,9 +1268,8 @@ def eval_step(
     noise = 0.0 if args.eval_greedy else jax.random.gumbel(action_key, logits.shape)
     action = jnp.argmax(masked(logits, action_mask) + noise, axis=-1)
     env_keys = jax.random.split(env_key, action.shape[0])
-    obs, env_state, reward, terminated, truncated, _ = jax.vmap(env.step, in_axes=(0, 0, 0, None))(
-        env_keys, env_carry.env_state, action, env_params
-    )
+    stepped = step_envs(env, env_keys, env_carry.env_state, action, env_params)
+    obs, env_state, reward, terminated, truncated, _ = stepped
     running = ~carry.finished
     episode_return = env_carry.episode_return + jnp.where(running, reward.astype(jnp.float32), 0.0)
     env_carry = env_carry._replace(env_state=env_state, obs=obs, episode_return=episode_return,
@@ -2009,7 +2050,7 @@ def run(args: Args) -> dict[str, Any]:
     validate_args(args)
     avoid_cpu_qr_deadlock()
     use_unrolled_threefry_on_cpu()
-    env, env_params = make_env(args.env_id, args.sticky_action_prob)
+    env, env_params = make_env(args.env_id, args.sticky_action_prob, args.optimistic_reset_ratio)
     mesh = make_mesh(args)
     if args.resume:
         run_dir, checkpointer = prepare_resume(args)

@@ -61,7 +61,7 @@ def cycle_seconds(module, args, num_cycles: int, repeats: int) -> float:
     """The script's compiled train loop (one seed, no callbacks), per cycle."""
     import jax
 
-    env, env_params = module.make_env(args.env_id)
+    env, env_params = module.make_env(args.env_id, args.sticky_action_prob, args.optimistic_reset_ratio)
     init, train = module.make_train(args, env, env_params)
     states = module.stack_seeds([init(args.seed)])
     compiled = jax.jit(lambda s: train(s)).lower(states).compile()
@@ -153,7 +153,7 @@ def part_seconds(module, args, calls: int) -> list[tuple[str, str, float]]:
     import jax
     import jax.numpy as jnp
 
-    env, env_params = module.make_env(args.env_id)
+    env, env_params = module.make_env(args.env_id, args.sticky_action_prob, args.optimistic_reset_ratio)
     num_actions = env.action_space(env_params).n
     network = module.make_network(args, num_actions)
     recurrent = hasattr(module, "evaluate_rollout")

@@ -67,6 +67,9 @@ COMMON = [
     (["--sticky-action-prob", "1"], "--sticky-action-prob"),
     (["--sticky-action-prob", "-0.1"], "--sticky-action-prob"),
     (["--sticky-action-prob", "nan"], "--sticky-action-prob"),
+    (["--optimistic-reset-ratio", "0"], "--optimistic-reset-ratio"),
+    (["--optimistic-reset-ratio", "1.5"], "--optimistic-reset-ratio"),
+    (["--optimistic-reset-ratio", "16"], "--optimistic-reset-ratio"),  # the default env is a gymnax one
 ]
 ONLY = {
     "ppo_mlp.py": [
@@ -89,6 +92,8 @@ ONLY = {
         (["--norm-obs"], "--norm-obs"),  # ppo_mlp.py's flag: image observations are not normalised
         (["--torso", "resnet"], "--torso"),
         (["--torso", "nature", "--env-id", "probe_envs:ConstantRewardImage"], "--torso nature"),  # 3x3 images
+        (["--env-id", "MiniGrid-Empty-5x5", "--optimistic-reset-ratio", "4", "--sticky-action-prob", "0.1"],
+         "--optimistic-reset-ratio"),  # the sticky-action wrapper steps one env at a time
     ],
 }
 CASES = [(script, argv, name) for script in ONLY for argv, name in COMMON + ONLY[script]]

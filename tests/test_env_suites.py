@@ -50,7 +50,7 @@ def main_error(module, argv: list[str], capsys, tmp_path: Path) -> str:
 
 def test_both_scripts_share_the_env_loading_code():
     names = [
-        "did_you_mean", "import_suite", "SuiteEnv", "where_done", "craftax_env", "xminigrid_env", "env_info_names",
+        "did_you_mean", "import_suite", "SuiteEnv", "step_envs", "where_done", "craftax_env", "xminigrid_env", "env_info_names",
         "env_metric_names", "run_metric_names", "craftax_score", "console_env_metrics",
     ]
     for name in names:
@@ -140,7 +140,8 @@ def memory():
     def step_both(keys, state, action):
         adapted = jax.vmap(env.step, in_axes=(0, 0, None, None))(keys, state, action, params)
         stepped = jax.vmap(raw.step, in_axes=(None, 0, None))(params, state, action)
-        return adapted, stepped, jax.vmap(raw.reset, in_axes=(None, 0))(params, keys)  # the reset uses the step's key
+        reset_keys = jax.vmap(jax.random.split)(keys)[:, 1]  # SuiteEnv.step's split: (step key, reset key)
+        return adapted, stepped, jax.vmap(raw.reset, in_axes=(None, 0))(params, reset_keys)
 
     reset = jax.jit(lambda keys: jax.vmap(env.reset, in_axes=(0, None))(keys, params))
     return env, params, reset(jax.random.split(jax.random.key(0), 16)), step_both
@@ -178,6 +179,79 @@ def test_minigrid_memory_end_is_terminated_and_success_says_which_object(memory)
     np.testing.assert_array_equal(info["success"], (stepped.reward > 0).astype(np.float32))
     assert 0 < float(info["success"].sum()) < 16  # both the right and the wrong object were reached
     assert (state.state.step_num == 0).all()
+
+
+# ======================================================================================
+# --optimistic-reset-ratio: SuiteEnv.step_batch against a Python loop, on a counting env
+# ======================================================================================
+
+
+def counting_suite_env(reset_ratio: int):
+    """A SuiteEnv whose episode ends (terminated) after a length drawn at reset from 1-4 steps;
+    obs = (steps so far, the episode's id drawn at reset). Reward 1 per step."""
+
+    def reset(key, params):
+        id_key, length_key = jax.random.split(key)
+        state = (jnp.int32(0), jax.random.uniform(id_key), jax.random.randint(length_key, (), 1, 5))
+        return jnp.stack([0.0, state[1]]), state
+
+    def step_without_reset(key, state, action, params):
+        count, episode_id, length = state
+        final_state = (count + 1, episode_id, length)
+        terminated = count + 1 >= length
+        return jnp.stack([count + 1.0, episode_id]), final_state, jnp.float32(1.0), terminated, jnp.bool_(False), {}
+
+    return ppo_mlp.SuiteEnv(reset, step_without_reset, 2, (2,), reset_ratio)
+
+
+@pytest.mark.parametrize("reset_ratio", [1, 3, 16])
+def test_optimistic_resets_give_the_kth_finished_env_new_episode_k_mod_ceil_n_over_r(reset_ratio):
+    num_envs = 8
+    num_resets = -(-num_envs // reset_ratio)  # 8, 3, 1
+    env = counting_suite_env(reset_ratio)
+    step_batch = jax.jit(lambda keys, states: ppo_mlp.step_envs(env, keys, states, jnp.zeros(num_envs, jnp.int32), None))
+    obs, states = jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(jax.random.key(0), num_envs), None)
+    ends = shared_starts = 0
+    for t in range(12):
+        keys = jax.random.split(jax.random.key(100 + t), num_envs)
+        new_obs, new_states, reward, terminated, truncated, info = step_batch(keys, states)
+        finished = [i for i in range(num_envs) if int(states[0][i]) + 1 >= int(states[2][i])]  # the reference, per env
+        assert np.asarray(terminated).tolist() == [i in finished for i in range(num_envs)]
+        np.testing.assert_array_equal(info["final_observation"][:, 0], np.asarray(states[0]) + 1.0)
+        np.testing.assert_array_equal(info["final_observation"][:, 1], states[1])
+        for i in range(num_envs):
+            if i in finished:  # its own reset key at ratio 1; else the k-th to finish takes env (k mod M)'s
+                reset_key = jax.random.split(keys[i if reset_ratio == 1 else finished.index(i) % num_resets])[1]
+                expected_obs, expected_state = env.reset(reset_key, None)
+            else:
+                expected_obs, expected_state = info["final_observation"][i], jax.tree.map(lambda x: x[i], new_states)
+                assert int(expected_state[0]) == int(states[0][i]) + 1
+            np.testing.assert_array_equal(new_obs[i], expected_obs)
+            assert [float(x[i]) for x in new_states] == [float(x) for x in expected_state]
+        restarted_ids = [float(new_states[1][i]) for i in finished]
+        shared_starts += len(restarted_ids) - len(set(restarted_ids))
+        assert (len(set(restarted_ids)) == len(finished)) == (len(finished) <= num_resets)
+        ends += len(finished)
+        states = new_states
+    assert ends >= 12 and (shared_starts > 0) == (reset_ratio > 1)  # the loop saw both cases
+
+
+def test_optimistic_resets_equal_exact_ones_while_no_more_episodes_end_than_are_generated():
+    """Ratio 1 is vmap(step); with ratio R the envs that did not finish are stepped exactly alike."""
+    exact, optimistic = counting_suite_env(1), counting_suite_env(4)
+    keys = jax.random.split(jax.random.key(3), 8)
+    _, states = jax.vmap(exact.reset, in_axes=(0, None))(keys, None)
+    actions = jnp.zeros(8, jnp.int32)
+    vmapped = jax.vmap(exact.step, in_axes=(0, 0, 0, None))(keys, states, actions, None)
+    for got, want in zip(jax.tree.leaves(ppo_mlp.step_envs(exact, keys, states, actions, None)), jax.tree.leaves(vmapped)):
+        np.testing.assert_array_equal(got, want)
+    stepped = ppo_mlp.step_envs(optimistic, keys, states, actions, None)
+    running = ~np.asarray(vmapped[3])
+    assert running.any() and not running.all()
+    for got, want in zip(jax.tree.leaves(stepped[:2]), jax.tree.leaves(vmapped[:2])):
+        np.testing.assert_array_equal(np.asarray(got)[running], np.asarray(want)[running])
+    for got, want in zip(jax.tree.leaves(stepped[2:]), jax.tree.leaves(vmapped[2:])):
+        np.testing.assert_array_equal(got, want)
 
 
 # ======================================================================================
@@ -311,6 +385,7 @@ def test_craftax_classic_symbolic_trains_with_ppo_mlp_and_logs_achievements_and_
     args = ppo_mlp.Args(
         env_id=CRAFTAX_ID, hidden_sizes=(16,), num_parallel_envs=16, num_env_steps_per_cycle=64,
         num_minibatches_per_epoch=2, num_epochs_per_cycle=1, num_total_env_steps=2 * 16 * 64, run_dir=str(run_dir),
+        optimistic_reset_ratio=4,  # the rollout through SuiteEnv.step_batch
     )
     summary = ppo_mlp.run(args)
     assert not summary["failures"]
