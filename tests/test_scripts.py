@@ -24,6 +24,58 @@ def test_benchmark_rejects_an_unknown_config():
     assert result.returncode == 2 and "--configs" in result.stderr
 
 
+# A stand-in for a PureJaxRL checkout: its ppo.py steps CartPole through `gymnax.make` expecting
+# the old 5-tuple step (so it fails without the shim), and its wrappers import brax.
+FAKE_PUREJAXRL_PPO = """
+import gymnax, jax, jax.numpy as jnp
+from purejaxrl import wrappers
+
+
+def make_train(config):
+    config["NUM_UPDATES"] = config["TOTAL_TIMESTEPS"] // config["NUM_STEPS"] // config["NUM_ENVS"]
+    env, params = gymnax.make(config["ENV_NAME"])
+
+    def train(key):
+        _, state = env.reset(key, params)
+
+        def step(carry, _):
+            state, episode_return = carry
+            _, state, reward, done, info = env.step(key, state, 0, params)
+            return (state, jnp.where(done, 0.0, episode_return + reward)), (done, episode_return + reward)
+
+        shape = (int(config["NUM_UPDATES"]), config["NUM_STEPS"])  # PureJaxRL's metrics: (updates, steps, ...)
+        _, (done, returns) = jax.lax.scan(step, (state, 0.0), None, shape[0] * shape[1])
+        return {"metrics": {"returned_episode": done.reshape(shape), "returned_episode_returns": returns.reshape(shape)}}
+
+    return train
+"""
+
+
+def test_vs_purejaxrl_runs_both_in_turn_and_prints_a_row_per_seed_count(tmp_path):
+    package = tmp_path / "checkout" / "purejaxrl"
+    package.mkdir(parents=True)
+    (package / "ppo.py").write_text(FAKE_PUREJAXRL_PPO)
+    (package / "wrappers.py").write_text("from brax import envs\n")
+    out = tmp_path / "vs.md"
+    result = run_script(
+        "scripts/vs_purejaxrl.py", "--purejaxrl-dir", str(tmp_path / "checkout"), "--seeds", "1", "2", "--repeats", "1",
+        "--num-total-env-steps", "2048", "--out", str(out), timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| 1 |") or line.startswith("| 2 |")]
+    assert len(rows) == 2
+    for row in rows:
+        ours, theirs, ratio = (float(cell.replace(",", "").rstrip("x")) for cell in row[1:4])
+        assert ours > 0 and theirs > 0 and ratio == pytest.approx(ours / theirs, rel=0.02, abs=0.005)  # printed as 0.00x
+        their_return = float(row[5].split(" / ")[1].rstrip(" |"))
+        assert 5 < their_return < 20  # always pushing left ends a CartPole episode in about 9 steps
+
+
+def test_vs_purejaxrl_refuses_a_folder_without_purejaxrl(tmp_path):
+    result = run_script("scripts/vs_purejaxrl.py", "--purejaxrl-dir", str(tmp_path), timeout=60)
+    assert result.returncode == 2 and "--purejaxrl-dir" in result.stderr and "Traceback" not in result.stderr
+
+
 PROFILE_TINY = {
     "ppo_mlp.py": ["--num-parallel-envs", "4", "--num-env-steps-per-cycle", "8", "--num-minibatches-per-epoch", "2",
                    "--num-epochs-per-cycle", "2"],

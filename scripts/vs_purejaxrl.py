@@ -1,0 +1,172 @@
+"""PureJaxRL's ppo.py and our ppo_mlp.py, side by side on PureJaxRL's CartPole config, in one run.
+
+    python scripts/vs_purejaxrl.py --purejaxrl-dir ~/src/purejaxrl             # 1 and 8 seeds, best of 2
+    python scripts/vs_purejaxrl.py --purejaxrl-dir ~/src/purejaxrl --seeds 8 --repeats 3 --out vs.md
+
+PureJaxRL is not a dependency and none of its code is in this repository: --purejaxrl-dir is a
+checkout of https://github.com/luchris429/purejaxrl, whose purejaxrl/ppo.py is imported from there.
+Every measurement is its own process, ours and theirs in turn, best of --repeats:
+
+- ours: `python ppo_mlp.py --num-seeds N`, env steps/s over all seeds from its summary.json (after
+  compilation, with its logging and metrics file, as users run it);
+- PureJaxRL: `jax.jit(jax.vmap(make_train(config)))` on N keys, as its README runs several seeds,
+  with its own CartPole config (ours are the same numbers) and DEBUG off, timed after compilation.
+
+Two shims let its code run beside our pins, and neither touches its training loop: gymnax 1.0's
+step returns (obs, state, reward, terminated, truncated, info) and PureJaxRL's code expects the
+older (obs, state, reward, done, info), so it gets done = terminated | truncated (a time-out as a
+termination, as it was written for); and its wrappers module imports brax at the top for a Brax
+wrapper that ppo.py does not use, so an empty stand-in module is installed when brax is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import subprocess
+import sys
+import tempfile
+import time
+import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmark import machine_description, run_config  # noqa: E402
+
+# PureJaxRL ppo.py's own CartPole config (its __main__), which is also ppo_mlp.py's defaults.
+PUREJAXRL_CARTPOLE = {
+    "LR": 2.5e-4, "NUM_ENVS": 4, "NUM_STEPS": 128, "TOTAL_TIMESTEPS": 5e5, "UPDATE_EPOCHS": 4, "NUM_MINIBATCHES": 4,
+    "GAMMA": 0.99, "GAE_LAMBDA": 0.95, "CLIP_EPS": 0.2, "ENT_COEF": 0.01, "VF_COEF": 0.5, "MAX_GRAD_NORM": 0.5,
+    "ACTIVATION": "tanh", "ENV_NAME": "CartPole-v1", "ANNEAL_LR": True, "DEBUG": False,
+}
+PUREJAXRL_SEED = 30  # its __main__'s PRNGKey
+
+
+class FiveTupleEnv:
+    """A gymnax 1.0 env whose step returns (obs, state, reward, done, info), done = terminated |
+    truncated, and info = {"discount": ...} as older gymnax gave."""
+
+    def __init__(self, env):
+        self._env = env
+
+    def __getattr__(self, name):
+        return getattr(self._env, name)
+
+    def step(self, key, state, action, params=None):
+        obs, state, reward, terminated, truncated, info = self._env.step(key, state, action, params)
+        return obs, state, reward, terminated | truncated, {"discount": info["discount"]}
+
+
+def load_purejaxrl_ppo(purejaxrl_dir: Path) -> types.ModuleType:
+    """Its purejaxrl/ppo.py, with the two shims of the module docstring."""
+    import importlib
+
+    import gymnax
+    import jax
+
+    try:
+        import brax  # noqa: F401
+    except ImportError:
+        stand_in = types.ModuleType("brax")
+        stand_in.envs = types.ModuleType("brax.envs")
+        sys.modules.update({"brax": stand_in, "brax.envs": stand_in.envs})
+    sys.path.insert(0, str(purejaxrl_dir))
+    ppo = importlib.import_module("purejaxrl.ppo")
+
+    def make(env_id: str):
+        env, env_params = gymnax.make(env_id)
+        _, state = env.reset(jax.random.key(0), env_params)
+        returns = jax.eval_shape(env.step, jax.random.key(0), state, 0, env_params)
+        return (FiveTupleEnv(env) if len(returns) == 6 else env), env_params
+
+    ppo.gymnax = types.SimpleNamespace(make=make)
+    return ppo
+
+
+def purejaxrl_worker(purejaxrl_dir: Path, num_seeds: int, num_total_env_steps: int) -> dict:
+    """Compiles and runs PureJaxRL's train on num_seeds keys: env steps/s after compilation."""
+    import jax
+    import numpy as np
+
+    ppo = load_purejaxrl_ppo(purejaxrl_dir)
+    config = dict(PUREJAXRL_CARTPOLE, TOTAL_TIMESTEPS=num_total_env_steps)
+    keys = jax.random.split(jax.random.PRNGKey(PUREJAXRL_SEED), num_seeds)
+    start = time.perf_counter()
+    compiled = jax.jit(jax.vmap(ppo.make_train(config))).lower(keys).compile()
+    compile_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    out = jax.block_until_ready(compiled(keys))
+    seconds = time.perf_counter() - start
+    num_updates = int(config["NUM_UPDATES"])  # make_train set it
+    env_steps = num_updates * config["NUM_STEPS"] * config["NUM_ENVS"] * num_seeds
+    last = slice(num_updates - max(1, num_updates // 10), None)  # the last 10% of updates
+    finished = np.asarray(out["metrics"]["returned_episode"])[:, last]
+    returns = np.asarray(out["metrics"]["returned_episode_returns"])[:, last]
+    return {"sps": env_steps / seconds, "compile_seconds": compile_seconds,
+            "final_episodic_return": float(returns[finished].mean())}  # our summary.json's keys
+
+
+def measure_purejaxrl(purejaxrl_dir: Path, num_seeds: int, num_total_env_steps: int) -> dict:
+    """purejaxrl_worker in a process of its own."""
+    command = [sys.executable, __file__, "--purejaxrl-dir", str(purejaxrl_dir), "--worker-seeds", str(num_seeds),
+               "--num-total-env-steps", str(num_total_env_steps)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--purejaxrl-dir", type=Path, required=True, help="a checkout of luchris429/purejaxrl")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 8], help="vmapped seeds per measurement")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of each, in turn; the best is reported")
+    parser.add_argument("--num-total-env-steps", type=int, default=500_000, help="per seed, for both (a smaller one for a quick check)")
+    parser.add_argument("--out", type=Path, help="also write the markdown table here")
+    parser.add_argument("--worker-seeds", type=int, help=argparse.SUPPRESS)  # internal: one PureJaxRL measurement
+    options = parser.parse_args()
+    if not (options.purejaxrl_dir / "purejaxrl" / "ppo.py").is_file():
+        parser.error(f"--purejaxrl-dir {options.purejaxrl_dir}: no purejaxrl/ppo.py there (a checkout of luchris429/purejaxrl)")
+    if min(options.seeds) < 1 or options.repeats < 1 or options.num_total_env_steps < 1:
+        parser.error("--seeds, --repeats and --num-total-env-steps must be at least 1")
+    if options.worker_seeds:
+        print(json.dumps(purejaxrl_worker(options.purejaxrl_dir, options.worker_seeds, options.num_total_env_steps)))
+        return 0
+
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for num_seeds in options.seeds:
+            ours, theirs = [], []
+            for repeat in range(options.repeats):
+                flags = ["--num-seeds", str(num_seeds), "--num-total-env-steps", str(options.num_total_env_steps)]
+                ours.append(run_config("ppo_mlp.py", flags, Path(tmp) / f"ours-{num_seeds}-{repeat}"))
+                theirs.append(measure_purejaxrl(options.purejaxrl_dir, num_seeds, options.num_total_env_steps))
+                print(f"{num_seeds} seed(s), run {repeat + 1}: ours {ours[-1]['sps']:,.0f}, "
+                      f"PureJaxRL {theirs[-1]['sps']:,.0f} env steps/s", file=sys.stderr, flush=True)
+            best_ours = max(ours, key=lambda summary: summary["sps"])
+            best_theirs = max(theirs, key=lambda summary: summary["sps"])
+            rows.append(
+                f"| {num_seeds} | {best_ours['sps']:,.0f} | {best_theirs['sps']:,.0f} | "
+                f"{best_ours['sps'] / best_theirs['sps']:.2f}x | "
+                f"{best_ours['compile_seconds']:.1f} / {best_theirs['compile_seconds']:.1f} | "
+                f"{best_ours['final_episodic_return']:.1f} / {best_theirs['final_episodic_return']:.1f} |"
+            )
+    lines = [
+        f"{datetime.date.today()} | {machine_description()} | `python scripts/vs_purejaxrl.py --seeds "
+        f"{' '.join(map(str, options.seeds))} --repeats {options.repeats} --num-total-env-steps "
+        f"{options.num_total_env_steps}` (best of {options.repeats}, in turn)",
+        "",
+        "| seeds (vmapped) | ppo_mlp.py env steps/s | PureJaxRL ppo.py env steps/s | ours / theirs | compile s (ours / theirs) | final return (ours / theirs) |",
+        "|---|---|---|---|---|---|",
+        *rows,
+    ]
+    table = "\n".join(lines)
+    print(table)
+    if options.out:
+        options.out.write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
