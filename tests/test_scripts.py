@@ -99,7 +99,7 @@ def test_profile_cycle_prints_each_standalone_part_their_sum_the_cycle_and_the_r
     assert f"value_and_grad of loss_fn on {envs * steps // 2} transitions x {updates}" in rows["(c) minibatch fwd+bwd"]
     parts = [value for name, value in milliseconds.items() if name.startswith("(")]
     assert len(parts) == 4 and all(value > 0 for value in parts)
-    assert milliseconds["sum of parts"] == pytest.approx(sum(parts), abs=0.2)  # printed to 0.1 ms
+    assert milliseconds["sum of parts"] == pytest.approx(sum(parts), abs=0.26)  # 5 numbers printed to 0.1 ms: up to 5 x 0.05 apart
     ratio = milliseconds["full cycle"] / milliseconds["sum of parts"]
     assert milliseconds["ratio cycle / sum of parts"] == pytest.approx(ratio, rel=0.05, abs=0.01)
 
