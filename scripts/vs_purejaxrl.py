@@ -63,7 +63,6 @@ def load_purejaxrl_ppo(purejaxrl_dir: Path) -> types.ModuleType:
     import importlib
 
     import gymnax
-    import jax
 
     try:
         import brax  # noqa: F401
@@ -74,11 +73,9 @@ def load_purejaxrl_ppo(purejaxrl_dir: Path) -> types.ModuleType:
     sys.path.insert(0, str(purejaxrl_dir))
     ppo = importlib.import_module("purejaxrl.ppo")
 
-    def make(env_id: str):
+    def make(env_id: str):  # our pinned gymnax 1.0 always returns the 6-tuple
         env, env_params = gymnax.make(env_id)
-        _, state = env.reset(jax.random.key(0), env_params)
-        returns = jax.eval_shape(env.step, jax.random.key(0), state, 0, env_params)
-        return (FiveTupleEnv(env) if len(returns) == 6 else env), env_params
+        return FiveTupleEnv(env), env_params
 
     ppo.gymnax = types.SimpleNamespace(make=make)
     return ppo
