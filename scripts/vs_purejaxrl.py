@@ -2,6 +2,7 @@
 
     python scripts/vs_purejaxrl.py --purejaxrl-dir ~/src/purejaxrl             # 1 and 8 seeds, best of 2
     python scripts/vs_purejaxrl.py --purejaxrl-dir ~/src/purejaxrl --seeds 8 --repeats 3 --out vs.md
+    python scripts/vs_purejaxrl.py --purejaxrl-dir ~/src/purejaxrl --compiled-loops --repeats 15
 
 PureJaxRL is not a dependency and none of its code is in this repository: --purejaxrl-dir is a
 checkout of https://github.com/luchris429/purejaxrl, whose purejaxrl/ppo.py is imported from there.
@@ -11,6 +12,13 @@ Every measurement is its own process, ours and theirs in turn, best of --repeats
   compilation, with its logging and metrics file, as users run it);
 - PureJaxRL: `jax.jit(jax.vmap(make_train(config)))` on N keys, as its README runs several seeds,
   with its own CartPole config (ours are the same numbers) and DEBUG off, timed after compilation.
+
+--compiled-loops compares the two compiled training programs alone, in one process: ours is
+ppo_mlp.py's make_train loop without host callbacks (no metrics file, console or checkpoints), with
+the CPU settings its run() applies, which then hold for PureJaxRL's program too. The two are called
+alternately, and the ratio is taken per round (ours' speed over theirs': their time over ours, in
+the same round), so a shared machine's drift over minutes falls on both; the table gives the median
+of those ratios and the lowest and highest round.
 
 Two shims let its code run beside our pins, and neither touches its training loop: gymnax 1.0's
 step returns (obs, state, reward, terminated, truncated, info) and PureJaxRL's code expects the
@@ -32,7 +40,7 @@ import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark import machine_description, run_config  # noqa: E402
+from benchmark import ROOT, machine_description, run_config  # noqa: E402
 
 # PureJaxRL ppo.py's own CartPole config (its __main__), which is also ppo_mlp.py's defaults.
 PUREJAXRL_CARTPOLE = {
@@ -114,12 +122,55 @@ def measure_purejaxrl(purejaxrl_dir: Path, num_seeds: int, num_total_env_steps: 
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
+def compiled_loops_row(purejaxrl_dir: Path, num_seeds: int, repeats: int, num_total_env_steps: int) -> str:
+    """Both compiled programs in this process, called alternately: a markdown row of the median env
+    steps/s of each and the median of the per-round ratios (theirs' time / ours' = ours' speed /
+    theirs'), after one warm-up call each."""
+    import statistics
+
+    import jax
+
+    sys.path.insert(0, str(ROOT))
+    import ppo_mlp
+
+    ppo_mlp.avoid_cpu_qr_deadlock()  # as run() does, before the backend starts
+    ppo_mlp.use_unrolled_threefry_on_cpu()
+    args = ppo_mlp.Args(num_seeds=num_seeds, num_total_env_steps=num_total_env_steps)
+    env, env_params = ppo_mlp.make_env(args.env_id)
+    init, train = ppo_mlp.make_train(args, env, env_params)
+    states = ppo_mlp.stack_seeds([init(args.seed + i) for i in range(num_seeds)])
+    ours = jax.jit(lambda states: train(states)).lower(states).compile()
+
+    ppo = load_purejaxrl_ppo(purejaxrl_dir)
+    config = dict(PUREJAXRL_CARTPOLE, TOTAL_TIMESTEPS=num_total_env_steps)
+    keys = jax.random.split(jax.random.PRNGKey(PUREJAXRL_SEED), num_seeds)
+    theirs = jax.jit(jax.vmap(ppo.make_train(config))).lower(keys).compile()
+    env_steps = args.num_cycles * args.batch_size * num_seeds  # the same for both: NUM_UPDATES = num_cycles
+
+    def seconds(compiled, inputs) -> float:
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(inputs))
+        return time.perf_counter() - start
+
+    seconds(ours, states), seconds(theirs, keys)  # warm-up
+    ours_seconds, theirs_seconds = [], []
+    for _ in range(repeats):
+        ours_seconds.append(seconds(ours, states))
+        theirs_seconds.append(seconds(theirs, keys))
+    ratios = [t / o for o, t in zip(ours_seconds, theirs_seconds)]  # ours' speed over theirs', per round
+    return (f"| {num_seeds} | {env_steps / statistics.median(ours_seconds):,.0f} | "
+            f"{env_steps / statistics.median(theirs_seconds):,.0f} | {statistics.median(ratios):.2f}x | "
+            f"{min(ratios):.2f}x-{max(ratios):.2f}x |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--purejaxrl-dir", type=Path, required=True, help="a checkout of luchris429/purejaxrl")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 8], help="vmapped seeds per measurement")
     parser.add_argument("--repeats", type=int, default=2, help="runs of each, in turn; the best is reported")
     parser.add_argument("--num-total-env-steps", type=int, default=500_000, help="per seed, for both (a smaller one for a quick check)")
+    parser.add_argument("--compiled-loops", action="store_true",
+                        help="time the two compiled programs alone, alternately in one process (median of per-round ratios)")
     parser.add_argument("--out", type=Path, help="also write the markdown table here")
     parser.add_argument("--worker-seeds", type=int, help=argparse.SUPPRESS)  # internal: one PureJaxRL measurement
     options = parser.parse_args()
@@ -130,6 +181,13 @@ def main() -> int:
     if options.worker_seeds:
         print(json.dumps(purejaxrl_worker(options.purejaxrl_dir, options.worker_seeds, options.num_total_env_steps)))
         return 0
+
+    if options.compiled_loops:
+        rows = [compiled_loops_row(options.purejaxrl_dir, num_seeds, options.repeats, options.num_total_env_steps)
+                for num_seeds in options.seeds]
+        header = ["| seeds (vmapped) | ppo_mlp.py loop, median env steps/s | PureJaxRL loop, median env steps/s | "
+                  "ours / theirs (median of rounds) | lowest-highest round |", "|---|---|---|---|---|"]
+        return print_table(options, "--compiled-loops ", f"{options.repeats} rounds, alternately in one process", header, rows)
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -149,13 +207,19 @@ def main() -> int:
                 f"{best_ours['compile_seconds']:.1f} / {best_theirs['compile_seconds']:.1f} | "
                 f"{best_ours['final_episodic_return']:.1f} / {best_theirs['final_episodic_return']:.1f} |"
             )
+    header = ["| seeds (vmapped) | ppo_mlp.py env steps/s | PureJaxRL ppo.py env steps/s | ours / theirs | "
+              "compile s (ours / theirs) | final return (ours / theirs) |", "|---|---|---|---|---|---|"]
+    return print_table(options, "", f"best of {options.repeats}, in turn", header, rows)
+
+
+def print_table(options: argparse.Namespace, mode_flag: str, how: str, header: list[str], rows: list[str]) -> int:
+    """The markdown table, headed by the date, machine and command; also to --out."""
     lines = [
-        f"{datetime.date.today()} | {machine_description()} | `python scripts/vs_purejaxrl.py --seeds "
+        f"{datetime.date.today()} | {machine_description()} | `python scripts/vs_purejaxrl.py {mode_flag}--seeds "
         f"{' '.join(map(str, options.seeds))} --repeats {options.repeats} --num-total-env-steps "
-        f"{options.num_total_env_steps}` (best of {options.repeats}, in turn)",
+        f"{options.num_total_env_steps}` ({how})",
         "",
-        "| seeds (vmapped) | ppo_mlp.py env steps/s | PureJaxRL ppo.py env steps/s | ours / theirs | compile s (ours / theirs) | final return (ours / theirs) |",
-        "|---|---|---|---|---|---|",
+        *header,
         *rows,
     ]
     table = "\n".join(lines)

@@ -71,6 +71,23 @@ def test_vs_purejaxrl_runs_both_and_prints_their_row(tmp_path):
     assert 5 < their_return < 20  # always pushing left ends a CartPole episode in about 9 steps
 
 
+def test_vs_purejaxrl_compiled_loops_prints_a_median_ratio_within_its_rounds(tmp_path):
+    package = tmp_path / "checkout" / "purejaxrl"
+    package.mkdir(parents=True)
+    (package / "ppo.py").write_text(FAKE_PUREJAXRL_PPO)
+    (package / "wrappers.py").write_text("from brax import envs\n")
+    result = run_script(
+        "scripts/vs_purejaxrl.py", "--purejaxrl-dir", str(tmp_path / "checkout"), "--compiled-loops", "--seeds", "2",
+        "--repeats", "3", "--num-total-env-steps", "2048", timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| 2 |")]
+    assert len(rows) == 1
+    ours, theirs, ratio = (float(cell.replace(",", "").rstrip("x")) for cell in rows[0][1:4])
+    lowest, highest = (float(cell.rstrip("x")) for cell in rows[0][4].rstrip(" |").split("x-"))
+    assert ours > 0 and theirs > 0 and lowest <= ratio <= highest
+
+
 def test_vs_purejaxrl_refuses_a_folder_without_purejaxrl(tmp_path):
     result = run_script("scripts/vs_purejaxrl.py", "--purejaxrl-dir", str(tmp_path), timeout=60)
     assert result.returncode == 2 and "--purejaxrl-dir" in result.stderr and "Traceback" not in result.stderr
