@@ -13,12 +13,14 @@ Every measurement is its own process, ours and theirs in turn, best of --repeats
 - PureJaxRL: `jax.jit(jax.vmap(make_train(config)))` on N keys, as its README runs several seeds,
   with its own CartPole config (ours are the same numbers) and DEBUG off, timed after compilation.
 
---compiled-loops compares the two compiled training programs alone, in one process: ours is
+--compiled-loops compares the compiled training programs alone, in one process: ours is
 ppo_mlp.py's make_train loop without host callbacks (no metrics file, console or checkpoints), with
-the CPU settings its run() applies, which then hold for PureJaxRL's program too. The two are called
-alternately, and the ratio is taken per round (ours' speed over theirs': their time over ours, in
-the same round), so a shared machine's drift over minutes falls on both; the table gives the median
-of those ratios and the lowest and highest round.
+the CPU settings its run() applies, which then hold for PureJaxRL's program too. A third program is
+ours with the host callbacks run() gives it (metrics.jsonl and checkpoints in a temporary folder,
+console lines discarded), which prices them. The three are called in turn, and each ratio is taken
+per round (a speed ratio is the other's time over this one's, in the same round), so a shared
+machine's drift over minutes falls on all; the table gives the medians of those ratios, and the
+lowest and highest round of ours against theirs.
 
 Two shims let its code run beside our pins, and neither touches its training loop: gymnax 1.0's
 step returns (obs, state, reward, terminated, truncated, info) and PureJaxRL's code expects the
@@ -123,9 +125,12 @@ def measure_purejaxrl(purejaxrl_dir: Path, num_seeds: int, num_total_env_steps: 
 
 
 def compiled_loops_row(purejaxrl_dir: Path, num_seeds: int, repeats: int, num_total_env_steps: int) -> str:
-    """Both compiled programs in this process, called alternately: a markdown row of the median env
-    steps/s of each and the median of the per-round ratios (theirs' time / ours' = ours' speed /
-    theirs'), after one warm-up call each."""
+    """Three compiled programs in this process, called in turn each round: ours without host
+    callbacks, PureJaxRL's, and ours with the metrics file, console and checkpoints that run() gives
+    it. A markdown row of the median env steps/s of each and the medians of the per-round ratios,
+    after one warm-up call each."""
+    import contextlib
+    import io
     import statistics
 
     import jax
@@ -147,20 +152,40 @@ def compiled_loops_row(purejaxrl_dir: Path, num_seeds: int, repeats: int, num_to
     theirs = jax.jit(jax.vmap(ppo.make_train(config))).lower(keys).compile()
     env_steps = args.num_cycles * args.batch_size * num_seeds  # the same for both: NUM_UPDATES = num_cycles
 
-    def seconds(compiled, inputs) -> float:
-        start = time.perf_counter()
-        jax.block_until_ready(compiled(inputs))
-        return time.perf_counter() - start
+    with tempfile.TemporaryDirectory() as run_dir:
+        logger = ppo_mlp.MetricsLogger(args, Path(run_dir), ppo_mlp.run_metric_names(env, env_params))
+        checkpointer = ppo_mlp.Checkpointer(Path(run_dir), args.keep_checkpoints)
+        logged = jax.jit(lambda states: train(states, logger, checkpointer)).lower(states).compile()
 
-    seconds(ours, states), seconds(theirs, keys)  # warm-up
-    ours_seconds, theirs_seconds = [], []
-    for _ in range(repeats):
-        ours_seconds.append(seconds(ours, states))
-        theirs_seconds.append(seconds(theirs, keys))
-    ratios = [t / o for o, t in zip(ours_seconds, theirs_seconds)]  # ours' speed over theirs', per round
-    return (f"| {num_seeds} | {env_steps / statistics.median(ours_seconds):,.0f} | "
-            f"{env_steps / statistics.median(theirs_seconds):,.0f} | {statistics.median(ratios):.2f}x | "
-            f"{min(ratios):.2f}x-{max(ratios):.2f}x |")
+        def seconds(compiled, inputs) -> float:
+            start = time.perf_counter()
+            jax.block_until_ready(compiled(inputs))
+            return time.perf_counter() - start
+
+        def logged_seconds() -> float:
+            checkpointer.last_saved_cycle = -1  # it never writes an older cycle than its last, and each round starts over
+            logger.start(0, [])
+            with contextlib.redirect_stdout(io.StringIO()):  # its console lines, kept out of the table
+                elapsed = seconds(logged, states)
+            logger.close()
+            return elapsed
+
+        timings = {"ours": [], "theirs": [], "logged": []}
+        for round_ in range(repeats + 1):  # round 0 warms up
+            for name, time_it in (("ours", lambda: seconds(ours, states)), ("theirs", lambda: seconds(theirs, keys)),
+                                  ("logged", logged_seconds)):
+                elapsed = time_it()
+                if round_ > 0:
+                    timings[name].append(elapsed)
+
+    def median_ratio(slower: str, faster: str) -> float:
+        return statistics.median(s / f for s, f in zip(timings[slower], timings[faster]))
+
+    ratios = [t / o for o, t in zip(timings["ours"], timings["theirs"])]  # ours' speed over theirs', per round
+    speed = {name: env_steps / statistics.median(times) for name, times in timings.items()}
+    return (f"| {num_seeds} | {speed['ours']:,.0f} | {speed['theirs']:,.0f} | {statistics.median(ratios):.2f}x | "
+            f"{min(ratios):.2f}x-{max(ratios):.2f}x | {speed['logged']:,.0f} | {median_ratio('theirs', 'logged'):.2f}x | "
+            f"{median_ratio('logged', 'ours'):.3f}x |")
 
 
 def main() -> int:
@@ -170,7 +195,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2, help="runs of each, in turn; the best is reported")
     parser.add_argument("--num-total-env-steps", type=int, default=500_000, help="per seed, for both (a smaller one for a quick check)")
     parser.add_argument("--compiled-loops", action="store_true",
-                        help="time the two compiled programs alone, alternately in one process (median of per-round ratios)")
+                        help="time the compiled programs alone, in turn in one process (medians of per-round ratios)")
     parser.add_argument("--out", type=Path, help="also write the markdown table here")
     parser.add_argument("--worker-seeds", type=int, help=argparse.SUPPRESS)  # internal: one PureJaxRL measurement
     options = parser.parse_args()
@@ -186,8 +211,10 @@ def main() -> int:
         rows = [compiled_loops_row(options.purejaxrl_dir, num_seeds, options.repeats, options.num_total_env_steps)
                 for num_seeds in options.seeds]
         header = ["| seeds (vmapped) | ppo_mlp.py loop, median env steps/s | PureJaxRL loop, median env steps/s | "
-                  "ours / theirs (median of rounds) | lowest-highest round |", "|---|---|---|---|---|"]
-        return print_table(options, "--compiled-loops ", f"{options.repeats} rounds, alternately in one process", header, rows)
+                  "ours / theirs (median of rounds) | lowest-highest round | ppo_mlp.py loop with its logging and "
+                  "checkpoints, median env steps/s | that / theirs (median of rounds) | its time / the loop's without "
+                  "(median of rounds) |", "|---|---|---|---|---|---|---|---|"]
+        return print_table(options, "--compiled-loops ", f"{options.repeats} rounds, the programs in turn in one process", header, rows)
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -84,8 +84,12 @@ def test_vs_purejaxrl_compiled_loops_prints_a_median_ratio_within_its_rounds(tmp
     rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| 2 |")]
     assert len(rows) == 1
     ours, theirs, ratio = (float(cell.replace(",", "").rstrip("x")) for cell in rows[0][1:4])
-    lowest, highest = (float(cell.rstrip("x")) for cell in rows[0][4].rstrip(" |").split("x-"))
-    assert ours > 0 and theirs > 0 and lowest <= ratio <= highest
+    lowest, highest = (float(cell.rstrip("x")) for cell in rows[0][4].split("x-"))
+    logged, logged_over_theirs, logging_cost = (float(cell.replace(",", "").rstrip(" |x")) for cell in rows[0][5:8])
+    assert ours > 0 and theirs > 0 and logged > 0 and lowest <= ratio <= highest
+    assert logged_over_theirs >= 0 and logging_cost > 0  # the stand-in is far faster than ours: 0.00x
+    table_lines = [line for line in result.stdout.splitlines() if line.startswith("|") or "vs_purejaxrl.py" in line]
+    assert len(table_lines) == len(result.stdout.strip().splitlines()) - 1  # and one blank line: no console lines
 
 
 def test_vs_purejaxrl_refuses_a_folder_without_purejaxrl(tmp_path):
