@@ -15,7 +15,8 @@ Every measurement is its own process, ours and theirs in turn, best of --repeats
 
 --compiled-loops compares the compiled training programs alone, in one process: ours is
 ppo_mlp.py's make_train loop without host callbacks (no metrics file, console or checkpoints), with
-the CPU settings its run() applies, which then hold for PureJaxRL's program too. A third program is
+the CPU settings its run() applies. PureJaxRL's is lowered before ours, with JAX's own lowering, so
+the one setting the two share is XLA's scheduler flag (read once per process). A third program is
 ours with the host callbacks run() gives it (metrics.jsonl and checkpoints in a temporary folder,
 console lines discarded), which prices them. The three are called in turn, and each ratio is taken
 per round (a speed ratio is the other's time over this one's, in the same round), so a shared
@@ -124,7 +125,27 @@ def measure_purejaxrl(purejaxrl_dir: Path, num_seeds: int, num_total_env_steps: 
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def compiled_loops_row(purejaxrl_dir: Path, num_seeds: int, repeats: int, num_total_env_steps: int) -> str:
+def compiled_loops_rows(purejaxrl_dir: Path, seeds: list[int], repeats: int, num_total_env_steps: int) -> list[str]:
+    """PureJaxRL's programs are lowered first, with JAX's own threefry lowering as in a process of
+    their own; then ours, with the CPU settings of its run(). Only XLA's scheduler flag, read once
+    per process, is common to both."""
+    import jax
+
+    sys.path.insert(0, str(ROOT))
+    import ppo_mlp
+
+    ppo_mlp.avoid_cpu_qr_deadlock()  # as run() does, before the backend starts
+    ppo = load_purejaxrl_ppo(purejaxrl_dir)
+    config = dict(PUREJAXRL_CARTPOLE, TOTAL_TIMESTEPS=num_total_env_steps)
+    theirs = {}
+    for num_seeds in seeds:
+        keys = jax.random.split(jax.random.PRNGKey(PUREJAXRL_SEED), num_seeds)
+        theirs[num_seeds] = jax.jit(jax.vmap(ppo.make_train(dict(config)))).lower(keys).compile(), keys
+    ppo_mlp.use_unrolled_threefry_on_cpu()  # from here on, for ours only
+    return [compiled_loops_row(ppo_mlp, *theirs[num_seeds], num_seeds, repeats, num_total_env_steps) for num_seeds in seeds]
+
+
+def compiled_loops_row(ppo_mlp: types.ModuleType, theirs, keys, num_seeds: int, repeats: int, num_total_env_steps: int) -> str:
     """Three compiled programs in this process, called in turn each round: ours without host
     callbacks, PureJaxRL's, and ours with the metrics file, console and checkpoints that run() gives
     it. A markdown row of the median env steps/s of each and the medians of the per-round ratios,
@@ -135,21 +156,11 @@ def compiled_loops_row(purejaxrl_dir: Path, num_seeds: int, repeats: int, num_to
 
     import jax
 
-    sys.path.insert(0, str(ROOT))
-    import ppo_mlp
-
-    ppo_mlp.avoid_cpu_qr_deadlock()  # as run() does, before the backend starts
-    ppo_mlp.use_unrolled_threefry_on_cpu()
     args = ppo_mlp.Args(num_seeds=num_seeds, num_total_env_steps=num_total_env_steps)
     env, env_params = ppo_mlp.make_env(args.env_id)
     init, train = ppo_mlp.make_train(args, env, env_params)
     states = ppo_mlp.stack_seeds([init(args.seed + i) for i in range(num_seeds)])
     ours = jax.jit(lambda states: train(states)).lower(states).compile()
-
-    ppo = load_purejaxrl_ppo(purejaxrl_dir)
-    config = dict(PUREJAXRL_CARTPOLE, TOTAL_TIMESTEPS=num_total_env_steps)
-    keys = jax.random.split(jax.random.PRNGKey(PUREJAXRL_SEED), num_seeds)
-    theirs = jax.jit(jax.vmap(ppo.make_train(config))).lower(keys).compile()
     env_steps = args.num_cycles * args.batch_size * num_seeds  # the same for both: NUM_UPDATES = num_cycles
 
     with tempfile.TemporaryDirectory() as run_dir:
@@ -208,8 +219,7 @@ def main() -> int:
         return 0
 
     if options.compiled_loops:
-        rows = [compiled_loops_row(options.purejaxrl_dir, num_seeds, options.repeats, options.num_total_env_steps)
-                for num_seeds in options.seeds]
+        rows = compiled_loops_rows(options.purejaxrl_dir, options.seeds, options.repeats, options.num_total_env_steps)
         header = ["| seeds (vmapped) | ppo_mlp.py loop, median env steps/s | PureJaxRL loop, median env steps/s | "
                   "ours / theirs (median of rounds) | lowest-highest round | ppo_mlp.py loop with its logging and "
                   "checkpoints, median env steps/s | that / theirs (median of rounds) | its time / the loop's without "
