@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from helpers import run_script
+from helpers import ROOT, run_script
 
 
 def test_benchmark_prints_a_markdown_row_per_config(tmp_path):
@@ -130,3 +130,19 @@ def test_profile_cycle_refuses_bad_flags():
     result = run_script("scripts/profile_cycle.py", "--script", "ppo_mlp.py", "--", "--num-minibatches-per-epoch", "7",
                         timeout=120)
     assert result.returncode == 2 and "--num-minibatches-per-epoch" in result.stderr
+
+
+@pytest.mark.parametrize("script", ["ppo_mlp.py", "ppo_lstm_impala.py"])
+def test_benchmark_gpu_configs_are_valid_flags_of_their_script(script):
+    """The GPU set cannot run here; its flags must at least parse and pass the script's checks."""
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    benchmark = importlib.import_module("benchmark")
+    module = importlib.import_module(script.removesuffix(".py"))
+    assert benchmark.GPU_CONFIGS[script]
+    for name in benchmark.GPU_CONFIGS[script]:
+        args = module.parse_args(benchmark.CONFIGS[script][name])
+        module.validate_args(args)
+        assert args.num_total_env_steps >= args.batch_size, name  # at least one cycle
