@@ -192,14 +192,14 @@ def compiled_loops_row(ppo_mlp: types.ModuleType, theirs, keys, num_seeds: int, 
                 if round_ > 0:
                     timings[name].append(elapsed)
 
-    def median_ratio(slower: str, faster: str) -> float:
-        return statistics.median(s / f for s, f in zip(timings[slower], timings[faster]))
+    def per_round(slower: str, faster: str) -> list[float]:  # the faster one's speed over the slower one's
+        return [s / f for s, f in zip(timings[slower], timings[faster])]
 
-    ratios = [t / o for o, t in zip(timings["ours"], timings["theirs"])]  # ours' speed over theirs', per round
+    ratios = per_round("theirs", "ours")
     speed = {name: env_steps / statistics.median(times) for name, times in timings.items()}
     return (f"| {num_seeds} | {speed['ours']:,.0f} | {speed['theirs']:,.0f} | {statistics.median(ratios):.2f}x | "
-            f"{min(ratios):.2f}x-{max(ratios):.2f}x | {speed['logged']:,.0f} | {median_ratio('theirs', 'logged'):.2f}x | "
-            f"{median_ratio('logged', 'ours'):.3f}x |")
+            f"{min(ratios):.2f}x-{max(ratios):.2f}x | {speed['logged']:,.0f} | "
+            f"{statistics.median(per_round('theirs', 'logged')):.2f}x | {statistics.median(per_round('logged', 'ours')):.3f}x |")
 
 
 def main() -> int:

@@ -51,14 +51,19 @@ def make_train(config):
 """
 
 
-def test_vs_purejaxrl_runs_both_and_prints_their_row(tmp_path):
+@pytest.fixture
+def fake_purejaxrl_checkout(tmp_path):
     package = tmp_path / "checkout" / "purejaxrl"
     package.mkdir(parents=True)
     (package / "ppo.py").write_text(FAKE_PUREJAXRL_PPO)
     (package / "wrappers.py").write_text("from brax import envs\n")
+    return package.parent
+
+
+def test_vs_purejaxrl_runs_both_and_prints_their_row(tmp_path, fake_purejaxrl_checkout):
     out = tmp_path / "vs.md"
     result = run_script(
-        "scripts/vs_purejaxrl.py", "--purejaxrl-dir", str(tmp_path / "checkout"), "--seeds", "2", "--repeats", "1",
+        "scripts/vs_purejaxrl.py", "--purejaxrl-dir", str(fake_purejaxrl_checkout), "--seeds", "2", "--repeats", "1",
         "--num-total-env-steps", "2048", "--out", str(out), timeout=300,
     )
     assert result.returncode == 0, result.stderr
@@ -71,13 +76,9 @@ def test_vs_purejaxrl_runs_both_and_prints_their_row(tmp_path):
     assert 5 < their_return < 20  # always pushing left ends a CartPole episode in about 9 steps
 
 
-def test_vs_purejaxrl_compiled_loops_prints_a_median_ratio_within_its_rounds(tmp_path):
-    package = tmp_path / "checkout" / "purejaxrl"
-    package.mkdir(parents=True)
-    (package / "ppo.py").write_text(FAKE_PUREJAXRL_PPO)
-    (package / "wrappers.py").write_text("from brax import envs\n")
+def test_vs_purejaxrl_compiled_loops_prints_a_median_ratio_within_its_rounds(fake_purejaxrl_checkout):
     result = run_script(
-        "scripts/vs_purejaxrl.py", "--purejaxrl-dir", str(tmp_path / "checkout"), "--compiled-loops", "--seeds", "2",
+        "scripts/vs_purejaxrl.py", "--purejaxrl-dir", str(fake_purejaxrl_checkout), "--compiled-loops", "--seeds", "2",
         "--repeats", "3", "--num-total-env-steps", "2048", timeout=300,
     )
     assert result.returncode == 0, result.stderr
@@ -133,12 +134,11 @@ def test_profile_cycle_refuses_bad_flags():
 
 
 @pytest.mark.parametrize("script", ["ppo_mlp.py", "ppo_lstm_impala.py"])
-def test_benchmark_gpu_configs_are_valid_flags_of_their_script(script):
+def test_benchmark_gpu_configs_are_valid_flags_of_their_script(script, monkeypatch):
     """The GPU set cannot run here; its flags must at least parse and pass the script's checks."""
     import importlib
-    import sys
 
-    sys.path.insert(0, str(ROOT / "scripts"))
+    monkeypatch.syspath_prepend(str(ROOT / "scripts"))
     benchmark = importlib.import_module("benchmark")
     module = importlib.import_module(script.removesuffix(".py"))
     assert benchmark.GPU_CONFIGS[script]
