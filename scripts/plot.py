@@ -26,17 +26,17 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runs import DamagedRunDir, Run, differing_labels, load_script_for_run, metric_table, read_run  # noqa: E402
+from runs import Run, UnsafeScript, differing_labels, load_script_for_run, metric_table, read_run, rundir  # noqa: E402
 from stats import bootstrap_mean_ci_per_row  # noqa: E402
 
 BAND_NAMES = {"std": "±1 std over seeds", "minmax": "min-max over seeds",
               "bootstrap": "95% bootstrap CI of the mean over seeds"}
 
 
-def debug_metric_names(runs: list[Run]) -> tuple[str, ...]:
+def debug_metric_names(runs: list[Run], script: Path | None = None) -> tuple[str, ...]:
     """The metrics of the debug grid: every per-cycle metric (`METRIC_NAMES`) of the training
-    script that wrote the first run."""
-    return tuple(load_script_for_run(runs[0].args).METRIC_NAMES)
+    script that wrote the first run, or of `script` (--script)."""
+    return tuple(load_script_for_run(runs[0].args, runs[0].path, script).METRIC_NAMES)
 
 
 def smooth(values: np.ndarray, window: int) -> np.ndarray:
@@ -99,13 +99,14 @@ def plot_runs(
     metric: str = "charts/episodic_return",
     band: str = "std",
     labels: list[str] | None = None,
-    debug_grid: bool = False,
+    debug_metrics: tuple[str, ...] = (),
     x_of=None,
     x_label: str = "env steps (per seed)",
     window: int = 1,
 ) -> None:
+    """One panel of `metric`, or with debug_metrics (--debug-grid) one panel of each."""
     labels = labels or differing_labels([run.args for run in runs], [run.path.name for run in runs])
-    metrics = debug_metric_names(runs) if debug_grid else (metric,)
+    metrics = debug_metrics or (metric,)
     num_columns = min(len(metrics), 4)
     num_rows = math.ceil(len(metrics) / num_columns)
     figure, axes = plt.subplots(num_rows, num_columns, figsize=(4.2 * num_columns + 1, 3.2 * num_rows + 0.6), squeeze=False)
@@ -136,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ci", choices=["bootstrap"],
                         help="shade the 95%% bootstrap confidence interval of the mean over seeds instead of --band")
     parser.add_argument("--debug-grid", action="store_true", help="a grid of every metric the training script logs (its METRIC_NAMES) instead")
+    parser.add_argument("--script", type=Path,
+                        help="--debug-grid: the training script to read METRIC_NAMES from (default: the one args.json records)")
     parser.add_argument("--smooth", type=int, default=1, metavar="CYCLES",
                         help="moving average over this many logged cycles, per seed (default 1: none; 0: 1%% of each run's cycles)")
     options = parser.parse_args(argv)
@@ -149,19 +152,20 @@ def main(argv: list[str] | None = None) -> int:
     for run_dir in options.run_dirs:
         try:
             runs.append(read_run(run_dir))
-        except (FileNotFoundError, DamagedRunDir) as error:
+        except (FileNotFoundError, rundir.DamagedFile) as error:
             parser.error(str(error))
+    debug_metrics = ()
     if options.debug_grid:
         try:
-            debug_metric_names(runs)
-        except FileNotFoundError as error:
+            debug_metrics = debug_metric_names(runs, options.script)
+        except (FileNotFoundError, UnsafeScript) as error:
             parser.error(f"--debug-grid: {runs[0].path}: {error}")
     elif not any(options.metric in row for run in runs for row in run.rows):
         known = sorted({key for run in runs for row in run.rows for key in row} - {"cycle", "env_steps", "seed"})
         parser.error(f"--metric {options.metric} is not in metrics.jsonl; choose from {', '.join(known)}")
     labels = differing_labels([run.args for run in runs], [run.path.name for run in runs])
     band = options.ci or options.band or "std"
-    plot_runs(runs, options.out, options.metric, band, labels=labels, debug_grid=options.debug_grid, window=options.smooth)
+    plot_runs(runs, options.out, options.metric, band, labels=labels, debug_metrics=debug_metrics, window=options.smooth)
     print(f"wrote {options.out}: {'; '.join(labels)}")
     return 0
 

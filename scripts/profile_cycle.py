@@ -30,6 +30,7 @@ metrics, and anything XLA compiles worse inside a loop than standalone).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -61,9 +62,9 @@ def cycle_seconds(module, args, num_cycles: int, repeats: int) -> float:
     """The script's compiled train loop (one seed, no callbacks), per cycle."""
     import jax
 
-    env, env_params = module.make_env(args.env_id, args.sticky_action_prob, args.optimistic_reset_ratio)
+    env, env_params = module.envs.make_env(args.env_id, args.sticky_action_prob, args.optimistic_reset_ratio)
     init, train = module.make_train(args, env, env_params)
-    states = module.stack_seeds([init(args.seed)])
+    states = module.devices.stack_seeds([init(args.seed)])
     compiled = jax.jit(lambda s: train(s)).lower(states).compile()
     return median_seconds(compiled, (states,), repeats) / num_cycles
 
@@ -153,7 +154,7 @@ def part_seconds(module, args, calls: int) -> list[tuple[str, str, float]]:
     import jax
     import jax.numpy as jnp
 
-    env, env_params = module.make_env(args.env_id, args.sticky_action_prob, args.optimistic_reset_ratio)
+    env, env_params = module.envs.make_env(args.env_id, args.sticky_action_prob, args.optimistic_reset_ratio)
     num_actions = env.action_space(env_params).n
     network = module.make_network(args, num_actions)
     recurrent = hasattr(module, "evaluate_rollout")
@@ -202,14 +203,14 @@ def main() -> int:
     if "--num-seeds" in script_flags:
         parser.error("profile one seed: the parts are timed per seed")
     module = load_script(options.script)
-    module.avoid_cpu_qr_deadlock()  # before JAX starts its backend, as run() does
-    module.use_unrolled_threefry_on_cpu()
+    module.cpu.avoid_cpu_qr_deadlock()  # before JAX starts its backend, as run() does
+    module.cpu.use_unrolled_threefry_on_cpu()
     shape_flags = LSTM_DEFAULT_SHAPES + (["--num-parallel-envs", str(QUARTER_ENVS)] if options.quarter else [])
-    base = module.parse_args(shape_flags + script_flags)  # the last occurrence of a flag wins
-    args = module.dataclasses.replace(base, num_total_env_steps=options.cycles * base.batch_size)
+    base = module.cli.parse_args(module.Args, shape_flags + script_flags)  # the last occurrence of a flag wins
+    args = dataclasses.replace(base, num_total_env_steps=options.cycles * base.batch_size)
     try:
         module.validate_args(args)
-    except module.ConfigError as error:
+    except module.cli.ConfigError as error:
         parser.error(str(error))
 
     parts = part_seconds(module, args, options.part_calls)

@@ -1,13 +1,14 @@
 """Shared helpers of the research scripts (plot, sweep, ablate, evaluate, profile_cycle):
-loading the training script that wrote a run dir, reading run dirs, running a configuration once
-per subfolder (with --resume), labels from differing args, and the training scripts' own `Args`
-fields.
+loading the training script that wrote a run dir (with the ppo_support package beside it),
+reading run dirs (with ppo_support.rundir's readers), running a configuration once per subfolder
+(with --resume), labels from differing args, and the training scripts' own `Args` fields.
 
 Not a script: the tools in this folder import it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib.util
@@ -17,7 +18,7 @@ import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 
@@ -25,11 +26,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmark import ROOT, run_config  # noqa: E402
 from stats import finite_scores  # noqa: E402
 
-# args.json keys that never describe the experiment, left out of labels (`script_path` differs
-# between checkouts of the same script).
+sys.path.insert(1, str(ROOT))  # the tools' own ppo_support: the one beside the scripts of this repository
+from ppo_support import rundir  # noqa: E402
+
+PACKAGE = "ppo_support"
+
+# args.json keys that never describe the experiment, left out of labels (`script_path` and the
+# package's commit differ between checkouts of the same script).
 NON_EXPERIMENT_ARGS = {
-    "run_dir", "script_path", "track", "wandb_project", "wandb_entity", "wandb_group", "wandb_tags", "wandb_run_per_seed",
-    "wandb_mode",
+    "run_dir", "script_path", "ppo_support_version", "ppo_support_commit", "track", "wandb_project", "wandb_entity",
+    "wandb_group", "wandb_tags", "wandb_run_per_seed", "wandb_mode",
 }
 
 
@@ -39,8 +45,10 @@ NON_EXPERIMENT_ARGS = {
 
 
 def load_module(path: str | Path) -> ModuleType:
-    """Imports a Python file as a module, once per resolved path. The module's name includes a
-    hash of the path, so two files with the same name (a copy elsewhere) stay two modules."""
+    """Imports a Python file as a module, once per resolved path, with the ppo_support package that
+    sits beside it (package_beside). The module's name includes a hash of the path, so two files
+    with the same name (a copy elsewhere) stay two modules. A tool that works with a loaded
+    script uses the script's own namespaces (`module.envs`, `module.cli.ConfigError`)."""
     path = Path(path).resolve()
     name = f"{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:12]}"
     if name not in sys.modules:
@@ -48,11 +56,36 @@ def load_module(path: str | Path) -> ModuleType:
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # before running it: dataclasses look their module up
         try:
-            spec.loader.exec_module(module)
+            with package_beside(path.parent):
+                spec.loader.exec_module(module)
         except BaseException:
             del sys.modules[name]
             raise
     return sys.modules[name]
+
+
+@contextlib.contextmanager
+def package_beside(folder: Path) -> Iterator[None]:
+    """While a script in `folder` is imported: the folder first on sys.path and, when it holds a
+    ppo_support other than the one already imported, that one in sys.modules, so that the
+    script's `from ppo_support import ...` gets the package of its own checkout. The modules
+    imported before are back afterwards; the script keeps those it imported."""
+    beside = folder / PACKAGE / "__init__.py"
+    loaded = {name: module for name, module in sys.modules.items() if name == PACKAGE or name.startswith(PACKAGE + ".")}
+    current = loaded.get(PACKAGE)
+    swap = beside.is_file() and current is not None and Path(current.__file__).resolve() != beside.resolve()
+    if swap:
+        for name in loaded:
+            del sys.modules[name]
+    sys.path.insert(0, str(folder))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(folder))
+        if swap:
+            for name in [name for name in sys.modules if name == PACKAGE or name.startswith(PACKAGE + ".")]:
+                del sys.modules[name]
+            sys.modules.update(loaded)
 
 
 def load_script(script: str) -> ModuleType:
@@ -63,22 +96,42 @@ def load_script(script: str) -> ModuleType:
     return load_module(path)
 
 
-def script_path_for_run(args: dict[str, Any]) -> Path:
-    """The training script that wrote a run, from its args.json: the recorded `script_path` if
-    that file still exists, else the recorded `script` file name in the repo root. Older run dirs
-    record neither: `lstm_size` in args means ppo_lstm_impala.py, else ppo_mlp.py (repo root)."""
+class UnsafeScript(ValueError):
+    """A run dir names a script inside itself: the tools do not run code a run dir carries."""
+
+
+def script_path_for_run(args: dict[str, Any], run_dir: Path | None = None, script: Path | None = None) -> Path:
+    """The training script that wrote a run, from its args.json: `script` when given (a tool's
+    --script), else the recorded `script_path` if that file still exists, else the recorded
+    `script` file name in the repo root. Older run dirs record neither: `lstm_size` in args means
+    ppo_lstm_impala.py, else ppo_mlp.py (repo root). A recorded path that resolves, with symlinks
+    followed, to a file inside `run_dir` is refused (UnsafeScript): a shared run dir must not run
+    its own code."""
+    if script is not None:
+        if not Path(script).is_file():
+            raise FileNotFoundError(f"--script {script}: no such file")
+        return Path(script).resolve()
     if args.get("script_path") and Path(args["script_path"]).is_file():
-        return Path(args["script_path"])
-    script = args.get("script") or ("ppo_lstm_impala.py" if "lstm_size" in args else "ppo_mlp.py")
-    if (ROOT / script).is_file():
-        return ROOT / script
-    recorded = f"{args['script_path']} no longer exists, and " if args.get("script_path") else ""
-    raise FileNotFoundError(f"the run was written by {script}, but {recorded}there is no {script} in {ROOT}")
+        path = Path(args["script_path"]).resolve()
+    else:
+        name = Path(args.get("script") or ("ppo_lstm_impala.py" if "lstm_size" in args else "ppo_mlp.py")).name
+        if not (ROOT / name).is_file():
+            recorded = f"{args['script_path']} no longer exists, and " if args.get("script_path") else ""
+            raise FileNotFoundError(f"the run was written by {name}, but {recorded}there is no {name} in {ROOT}")
+        path = (ROOT / name).resolve()
+    if run_dir is not None and path.is_relative_to(Path(run_dir).resolve()):
+        raise UnsafeScript(
+            f"{run_dir}/args.json names the script {path}, which lies inside the run dir; the tools do not run "
+            "a run dir's own code: pass --script with the training script to use"
+        )
+    return path
 
 
-def load_script_for_run(args: dict[str, Any]) -> ModuleType:
-    """Imports the training script that wrote a run (see `script_path_for_run`)."""
-    return load_module(script_path_for_run(args))
+def load_script_for_run(args: dict[str, Any], run_dir: Path | None = None, script: Path | None = None) -> ModuleType:
+    """Imports the training script that wrote a run (see `script_path_for_run`), and says which."""
+    path = script_path_for_run(args, run_dir, script)
+    print(f"script: {path}", flush=True)
+    return load_module(path)
 
 
 def script_defaults(script: str) -> dict[str, Any]:
@@ -161,48 +214,13 @@ class Run(NamedTuple):
     summary: dict[str, Any] | None
 
 
-class DamagedRunDir(ValueError):
-    """A file of a run dir that cannot be read; the tools print it as one `error:` line (exit 2)."""
-
-
-def read_json_object(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as error:  # ValueError: not UTF-8, or not JSON
-        raise DamagedRunDir(f"{path} is unreadable ({error})") from None
-    if not isinstance(data, dict):
-        raise DamagedRunDir(f"{path} is damaged: not a JSON object")
-    return data
-
-
-def read_metrics(path: Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl. A last line without its newline was torn by a kill mid-write
-    and is left out; any other line that is not a row is a DamagedRunDir."""
-    try:
-        text = path.read_text()
-    except (OSError, ValueError) as error:
-        raise DamagedRunDir(f"{path} is unreadable ({error})") from None
-    rows = []
-    for number, line in enumerate(text.split("\n")[:-1], start=1):  # [-1]: after the last newline
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError:
-            row = None
-        if not (isinstance(row, dict) and {"cycle", "env_steps", "seed"} <= row.keys()):
-            raise DamagedRunDir(f"{path} line {number} is damaged: {line[:40]!r}")
-        rows.append(row)
-    return rows
-
-
 def read_run(run_dir: str | Path) -> Run:
     run_dir = Path(run_dir)
     if not (run_dir / "args.json").is_file() or not (run_dir / "metrics.jsonl").is_file():
         raise FileNotFoundError(f"{run_dir} is not a run dir (needs args.json and metrics.jsonl)")
-    args = read_json_object(run_dir / "args.json")
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    summary = read_json_object(run_dir / "summary.json") if is_finished(run_dir) else None
+    args = rundir.read_json_object(run_dir / "args.json")
+    rows = rundir.read_metrics_rows(run_dir / "metrics.jsonl")
+    summary = rundir.read_json_object(run_dir / "summary.json") if is_finished(run_dir) else None
     return Run(run_dir, args, rows, summary)
 
 

@@ -133,15 +133,16 @@ def compiled_loops_rows(purejaxrl_dir: Path, seeds: list[int], repeats: int, num
 
     sys.path.insert(0, str(ROOT))
     import ppo_mlp
+    from ppo_support import cpu
 
-    ppo_mlp.avoid_cpu_qr_deadlock()  # as run() does, before the backend starts
+    cpu.avoid_cpu_qr_deadlock()  # as run() does, before the backend starts
     ppo = load_purejaxrl_ppo(purejaxrl_dir)
     config = dict(PUREJAXRL_CARTPOLE, TOTAL_TIMESTEPS=num_total_env_steps)
     theirs = {}
     for num_seeds in seeds:
         keys = jax.random.split(jax.random.PRNGKey(PUREJAXRL_SEED), num_seeds)
         theirs[num_seeds] = jax.jit(jax.vmap(ppo.make_train(dict(config)))).lower(keys).compile(), keys
-    ppo_mlp.use_unrolled_threefry_on_cpu()  # from here on, for ours only
+    cpu.use_unrolled_threefry_on_cpu()  # from here on, for ours only
     return [compiled_loops_row(ppo_mlp, *theirs[num_seeds], num_seeds, repeats, num_total_env_steps) for num_seeds in seeds]
 
 
@@ -157,15 +158,15 @@ def compiled_loops_row(ppo_mlp: types.ModuleType, theirs, keys, num_seeds: int, 
     import jax
 
     args = ppo_mlp.Args(num_seeds=num_seeds, num_total_env_steps=num_total_env_steps)
-    env, env_params = ppo_mlp.make_env(args.env_id)
+    env, env_params = ppo_mlp.envs.make_env(args.env_id)
     init, train = ppo_mlp.make_train(args, env, env_params)
-    states = ppo_mlp.stack_seeds([init(args.seed + i) for i in range(num_seeds)])
+    states = ppo_mlp.devices.stack_seeds([init(args.seed + i) for i in range(num_seeds)])
     ours = jax.jit(lambda states: train(states)).lower(states).compile()
     env_steps = args.num_cycles * args.batch_size * num_seeds  # the same for both: NUM_UPDATES = num_cycles
 
     with tempfile.TemporaryDirectory() as run_dir:
-        logger = ppo_mlp.MetricsLogger(args, Path(run_dir), ppo_mlp.run_metric_names(env, env_params))
-        checkpointer = ppo_mlp.Checkpointer(Path(run_dir), args.keep_checkpoints)
+        logger = ppo_mlp.logs.MetricsLogger(args, Path(run_dir), ppo_mlp.run_metric_names(env, env_params))
+        checkpointer = ppo_mlp.rundir.Checkpointer(Path(run_dir), args.keep_checkpoints)
         logged = jax.jit(lambda states: train(states, logger, checkpointer)).lower(states).compile()
 
         def seconds(compiled, inputs) -> float:

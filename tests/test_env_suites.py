@@ -9,7 +9,6 @@ Craftax build its texture cache, which is slow.
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import sys
@@ -23,6 +22,7 @@ import pytest
 
 import ppo_lstm_impala
 import ppo_mlp
+from ppo_support import devices, envs, errors
 
 SCRIPTS = [ppo_mlp, ppo_lstm_impala]
 CRAFTAX_ID = "Craftax-Classic-Symbolic-v1"
@@ -44,22 +44,6 @@ def main_error(module, argv: list[str], capsys, tmp_path: Path) -> str:
 
 
 # ======================================================================================
-# Both scripts load envs with the same code
-# ======================================================================================
-
-
-def test_both_scripts_share_the_env_loading_code():
-    names = [
-        "did_you_mean", "import_suite", "SuiteEnv", "step_envs", "where_done", "craftax_env", "xminigrid_env", "env_info_names",
-        "env_metric_names", "run_metric_names", "craftax_score", "console_env_metrics",
-    ]
-    for name in names:
-        assert inspect.getsource(getattr(ppo_mlp, name)) == inspect.getsource(getattr(ppo_lstm_impala, name)), name
-    for name in ["CRAFTAX_IDS", "XMINIGRID_PREFIXES", "ACHIEVEMENT_PREFIX", "STEP_INFO_KEYS", "CRAFTAX_SCORE"]:
-        assert getattr(ppo_mlp, name) == getattr(ppo_lstm_impala, name), name
-
-
-# ======================================================================================
 # Craftax: the adapter against Craftax's own step_env (no reset) and reset_env
 # ======================================================================================
 
@@ -69,7 +53,7 @@ def craftax():
     """The adapter, Craftax's own reset_env (compiled), and one compiled function that runs the
     adapter's step, Craftax's step_env with the step key and its reset_env with the reset key."""
     craftax_env = pytest.importorskip("craftax.craftax_env")
-    env, env_params = ppo_mlp.make_env(CRAFTAX_ID)
+    env, env_params = envs.make_env(CRAFTAX_ID)
     raw = craftax_env.make_craftax_env_from_name(CRAFTAX_ID, auto_reset=False)
 
     @jax.jit
@@ -94,7 +78,7 @@ def test_craftax_time_limit_truncates_and_the_final_observation_is_the_pre_reset
         np.testing.assert_array_equal(info["final_observation"], raw_obs)  # what V(final_obs) bootstraps from
         np.testing.assert_array_equal(obs, reset_obs if t == limit else raw_obs)
         assert int(state.timestep) == (0 if t == limit else t)
-    achievements = [float(value) for name, value in info.items() if name.startswith(ppo_mlp.ACHIEVEMENT_PREFIX)]
+    achievements = [float(value) for name, value in info.items() if name.startswith(envs.ACHIEVEMENT_PREFIX)]
     assert len(achievements) == 22 and set(achievements) <= {0.0, 1.0}
 
 
@@ -132,7 +116,7 @@ def memory():
     """16 MiniGrid-MemoryS8 envs, a time limit of 9 steps, the adapter's compiled reset, and one
     compiled function that runs the adapter's step, xminigrid's own step and its reset."""
     xminigrid = pytest.importorskip("xminigrid")
-    env, env_params = ppo_mlp.make_env("MiniGrid-MemoryS8")
+    env, env_params = envs.make_env("MiniGrid-MemoryS8")
     raw, _ = xminigrid.make("MiniGrid-MemoryS8")
     params = env_params.replace(max_steps=9)  # a static field: a compile per value, so one value
 
@@ -201,7 +185,7 @@ def counting_suite_env(reset_ratio: int):
         terminated = count + 1 >= length
         return jnp.stack([count + 1.0, episode_id]), final_state, jnp.float32(1.0), terminated, jnp.bool_(False), {}
 
-    return ppo_mlp.SuiteEnv(reset, step_without_reset, 2, (2,), reset_ratio)
+    return envs.SuiteEnv(reset, step_without_reset, 2, (2,), reset_ratio)
 
 
 @pytest.mark.parametrize("reset_ratio", [1, 3, 16])
@@ -209,7 +193,7 @@ def test_optimistic_resets_give_the_kth_finished_env_new_episode_k_mod_ceil_n_ov
     num_envs = 8
     num_resets = -(-num_envs // reset_ratio)  # 8, 3, 1
     env = counting_suite_env(reset_ratio)
-    step_batch = jax.jit(lambda keys, states: ppo_mlp.step_envs(env, keys, states, jnp.zeros(num_envs, jnp.int32), None))
+    step_batch = jax.jit(lambda keys, states: envs.step_envs(env, keys, states, jnp.zeros(num_envs, jnp.int32), None))
     obs, states = jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(jax.random.key(0), num_envs), None)
     ends = shared_starts = 0
     for t in range(12):
@@ -243,9 +227,9 @@ def test_optimistic_resets_equal_exact_ones_while_no_more_episodes_end_than_are_
     _, states = jax.vmap(exact.reset, in_axes=(0, None))(keys, None)
     actions = jnp.zeros(8, jnp.int32)
     vmapped = jax.vmap(exact.step, in_axes=(0, 0, 0, None))(keys, states, actions, None)
-    for got, want in zip(jax.tree.leaves(ppo_mlp.step_envs(exact, keys, states, actions, None)), jax.tree.leaves(vmapped)):
+    for got, want in zip(jax.tree.leaves(envs.step_envs(exact, keys, states, actions, None)), jax.tree.leaves(vmapped)):
         np.testing.assert_array_equal(got, want)
-    stepped = ppo_mlp.step_envs(optimistic, keys, states, actions, None)
+    stepped = envs.step_envs(optimistic, keys, states, actions, None)
     running = ~np.asarray(vmapped[3])
     assert running.any() and not running.all()
     for got, want in zip(jax.tree.leaves(stepped[:2]), jax.tree.leaves(vmapped[:2])):
@@ -263,8 +247,8 @@ def test_env_metric_names_come_from_each_suites_info():
     pytest.importorskip("craftax")
     pytest.importorskip("xminigrid")
     assert ppo_mlp.run_metric_names(*gymnax.make("CartPole-v1")) == ppo_mlp.METRIC_NAMES
-    assert ppo_mlp.run_metric_names(*ppo_mlp.make_env("MiniGrid-MemoryS8")) == (*ppo_mlp.METRIC_NAMES, "env/success")
-    names = ppo_mlp.run_metric_names(*ppo_mlp.make_env(CRAFTAX_ID))[len(ppo_mlp.METRIC_NAMES):]
+    assert ppo_mlp.run_metric_names(*envs.make_env("MiniGrid-MemoryS8")) == (*ppo_mlp.METRIC_NAMES, "env/success")
+    names = ppo_mlp.run_metric_names(*envs.make_env(CRAFTAX_ID))[len(ppo_mlp.METRIC_NAMES):]
     assert len(names) == 23 and names[-1] == "env/score" and "env/achievement_collect_diamond" in names
     assert all(name.startswith("env/achievement_") for name in names[:-1])
 
@@ -293,7 +277,7 @@ class Countdown:
 
 def test_env_metrics_average_over_the_episodes_that_ended_only():
     env = Countdown()
-    assert ppo_mlp.env_info_names(env, None) == ("step",)
+    assert envs.env_info_names(env, None) == ("step",)
     args = ppo_mlp.Args(hidden_sizes=(8,), orthogonal_init=False)
     network = ppo_mlp.make_network(args, 2)
 
@@ -305,18 +289,18 @@ def test_env_metrics_average_over_the_episodes_that_ended_only():
 
     finished = rollout(jax.random.key(0))[2]  # two episodes end per env in 7 steps, at steps 3 and 6
     assert set(finished) == {"charts/episodic_return", "charts/episodic_length", "env/step"}
-    assert float(ppo_mlp.nanmean_or_nan(finished["env/step"])) == 3.0  # the mean over all steps would be 2
-    assert math.isnan(float(ppo_mlp.nanmean_or_nan(finished["env/step"][:2])))  # no episode ended in steps 1-2
+    assert float(devices.nanmean_or_nan(finished["env/step"])) == 3.0  # the mean over all steps would be 2
+    assert math.isnan(float(devices.nanmean_or_nan(finished["env/step"][:2])))  # no episode ended in steps 1-2
 
 
 def test_craftax_score_is_the_geometric_mean_of_success_rates_in_percent():
     metrics = {"env/achievement_a": jnp.float32(1.0), "env/achievement_b": jnp.float32(0.0),
                "env/achievement_c": jnp.float32(0.5), "charts/episodic_return": jnp.float32(7.0)}
     expected = (101.0 * 1.0 * 51.0) ** (1 / 3) - 1.0
-    assert float(ppo_mlp.craftax_score(metrics)["env/score"]) == pytest.approx(expected, rel=1e-5)
-    assert float(ppo_mlp.craftax_score({name: jnp.float32(1.0) for name in metrics})["env/score"]) == pytest.approx(100.0)
-    assert math.isnan(float(ppo_mlp.craftax_score({"env/achievement_a": jnp.float32(jnp.nan)})["env/score"]))
-    assert ppo_mlp.craftax_score({"env/success": jnp.float32(1.0)}) == {}
+    assert float(envs.craftax_score(metrics)["env/score"]) == pytest.approx(expected, rel=1e-5)
+    assert float(envs.craftax_score({name: jnp.float32(1.0) for name in metrics})["env/score"]) == pytest.approx(100.0)
+    assert math.isnan(float(envs.craftax_score({"env/achievement_a": jnp.float32(jnp.nan)})["env/score"]))
+    assert envs.craftax_score({"env/success": jnp.float32(1.0)}) == {}
 
 
 # ======================================================================================
@@ -370,8 +354,8 @@ def test_a_symbolic_craftax_env_is_refused_by_the_impala_script(capsys, tmp_path
 )
 def test_unknown_ids_get_close_names_from_every_suite(env_id, suggestion):
     pytest.importorskip("xminigrid")
-    with pytest.raises(ppo_mlp.ConfigError, match=f"did you mean {suggestion}"):
-        ppo_mlp.make_env(env_id)
+    with pytest.raises(errors.ConfigError, match=f"did you mean {suggestion}"):
+        envs.make_env(env_id)
 
 
 # ======================================================================================

@@ -19,6 +19,7 @@ from helpers import run_script
 import ppo_lstm_impala
 import ppo_mlp
 import probe_envs
+from ppo_support import devices, envs, evaluation, logs, videos
 
 MODULES = {"ppo_mlp": ppo_mlp, "ppo_lstm_impala": ppo_lstm_impala}
 TINY = {  # three cycles each
@@ -32,9 +33,9 @@ TINY = {  # three cycles each
 
 
 def train(module, args, video_fn=None):
-    env, env_params = module.make_env(args.env_id)
+    env, env_params = envs.make_env(args.env_id)
     init, train_fn = module.make_train(args, env, env_params, video_fn=video_fn)
-    states = module.stack_seeds([init(args.seed + i) for i in range(args.num_seeds)])
+    states = devices.stack_seeds([init(args.seed + i) for i in range(args.num_seeds)])
     states, metrics = jax.jit(lambda s: train_fn(s))(states)
     return states, {name: np.asarray(value) for name, value in metrics.items()}
 
@@ -73,7 +74,7 @@ def test_evaluation_on_and_off_train_bit_for_bit_the_same(name):
     assert [cycle for cycle, _ in videos["off"]] == ([3] if name == "ppo_mlp" else [])
     assert [cycle for cycle, _ in videos["on"]] == [2, 3]
     for _, done in videos["off"] + videos["on"]:
-        assert done.shape == (module.VIDEO_MAX_FRAMES,) and np.flatnonzero(done).tolist() == [episode_length - 1]
+        assert done.shape == (evaluation.VIDEO_MAX_FRAMES,) and np.flatnonzero(done).tolist() == [episode_length - 1]
 
 
 def hand_set_params(module, args, env, env_params, actor_bias):
@@ -89,8 +90,15 @@ def hand_set_params(module, args, env, env_params, actor_bias):
     return network, params
 
 
+def state_with(module, params, obs_stats=None):
+    """A TrainState of one seed that holds only what the evaluation's policy reads."""
+    state = module.TrainState(**dict.fromkeys(module.TrainState._fields))._replace(params=params)
+    return state._replace(obs_stats=obs_stats) if obs_stats is not None else state
+
+
 def evaluate(module, args, env, env_params, network, params, key=0):
-    run = jax.jit(lambda params, key: module.evaluate_policy(params, key, network, env, env_params, args))
+    policy = module.make_evaluation(network, env, env_params, args)
+    run = jax.jit(lambda params, key: evaluation.evaluate_policy(policy, state_with(module, params), key, args, env_params))
     return {name: float(value) for name, value in run(params, jax.random.key(key)).items()}
 
 
@@ -104,7 +112,7 @@ def test_greedy_evaluation_of_masked_actions_takes_the_best_valid_action(name):
     env_id = "probe_envs:MaskedActions" + ("Image" if module is ppo_lstm_impala else "")
     extra = dict(impala_channels=(4,), torso_size=16, lstm_size=8) if module is ppo_lstm_impala else {}
     args = module.Args(env_id=env_id, eval_episodes=16, **extra)
-    env, env_params = module.make_env(env_id)
+    env, env_params = envs.make_env(env_id)
     network, params = hand_set_params(module, args, env, env_params, [3.0, 2.0, 1.0])
     assert evaluate(module, args, env, env_params, network, params) == {"eval/episodic_return": 0.5, "eval/episodic_length": 1.0}
 
@@ -149,20 +157,22 @@ def test_eval_metrics_are_means_over_the_episodes_finished_within_the_step_cap(m
     args = ppo_mlp.Args(eval_episodes=12, eval_greedy=False)
     env, env_params = RandomLength(), RandomLength().default_params
     network, params = hand_set_params(ppo_mlp, args, env, env_params, [0.0, 0.0])
-    key = jax.random.fold_in(jax.random.key(3), ppo_mlp.EVAL_KEY_TAG)
-    lengths = [int(x) for x in ppo_mlp.start_evaluation(key, env, env_params, args).env.env_state.length]
+    key = jax.random.fold_in(jax.random.key(3), evaluation.EVAL_KEY_TAG)
+    policy = ppo_mlp.make_evaluation(network, env, env_params, args)
+    lengths = [int(x) for x in evaluation.start_evaluation(key, policy, args.eval_episodes).env.env_state.length]
     assert min(lengths) <= 2 < max(lengths)
 
+    evaluate_with_cap = lambda cap: jax.jit(  # noqa: E731
+        lambda params, key: evaluation.evaluate_policy(policy, state_with(ppo_mlp, params), key, args, env_params)
+    )
     for cap in [2, 100]:
-        monkeypatch.setattr(ppo_mlp, "max_eval_steps", lambda env_params: cap)
-        run = jax.jit(lambda params, key: ppo_mlp.evaluate_policy(params, key, network, env, env_params, args))
-        result = {name: float(value) for name, value in run(params, key).items()}
+        monkeypatch.setattr(evaluation, "max_eval_steps", lambda env_params: cap)
+        result = {name: float(value) for name, value in evaluate_with_cap(cap)(params, key).items()}
         counted = [length for length in lengths if length <= cap]
         expected = sum(counted) / len(counted)
         assert result == pytest.approx({"eval/episodic_return": expected, "eval/episodic_length": expected}, rel=1e-6)
-    monkeypatch.setattr(ppo_mlp, "max_eval_steps", lambda env_params: 0)
-    run = jax.jit(lambda params, key: ppo_mlp.evaluate_policy(params, key, network, env, env_params, args))
-    assert all(np.isnan(float(value)) for value in run(params, key).values())
+    monkeypatch.setattr(evaluation, "max_eval_steps", lambda env_params: 0)
+    assert all(np.isnan(float(value)) for value in evaluate_with_cap(0)(params, key).values())
 
 
 def test_capture_video_writes_the_evaluation_episode_and_logs_it_to_offline_wandb(tmp_path):
@@ -184,7 +194,7 @@ def test_capture_video_writes_the_evaluation_episode_and_logs_it_to_offline_wand
             # Pillow merges identical consecutive frames into one shown longer: count steps by duration.
             durations = [frame.info["duration"] for frame in ImageSequence.Iterator(image)]
             assert image.size == (480, 240) and len(durations) > 1
-            steps = sum(durations) / ppo_mlp.GIF_FRAME_MS
+            steps = sum(durations) / videos.GIF_FRAME_MS
             assert steps == row["eval/episodic_length"] == row["eval/episodic_return"]  # reward 1 per step
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["final_eval_return_per_seed"] == [rows[-1]["eval/episodic_return"]] == [summary["final_eval_return"]]
@@ -195,14 +205,15 @@ def test_capture_video_writes_the_evaluation_episode_and_logs_it_to_offline_wand
 def test_capture_video_of_an_env_without_a_renderer_warns_once_and_records_nothing(tmp_path, capsys):
     """No renderer: one warning line and no video callback, so training runs as without the flag."""
     args = ppo_mlp.Args(env_id="probe_envs:ConstantReward", capture_video=True)
-    env, env_params = ppo_mlp.make_env(args.env_id)
-    logger = ppo_mlp.MetricsLogger(args, tmp_path)
-    assert ppo_mlp.make_video_recorder(args, env, env_params, tmp_path, logger) is None
+    env, env_params = envs.make_env(args.env_id)
+    logger = logs.MetricsLogger(args, tmp_path, ppo_mlp.METRIC_NAMES)
+    assert videos.make_video_recorder(args, env_params, tmp_path, logger) is None
     warnings = capsys.readouterr().err.strip().splitlines()
     assert len(warnings) == 1 and "warning: --capture-video: cannot draw probe_envs:ConstantReward" in warnings[0]
     assert not (tmp_path / "videos").exists()
     cartpole = ppo_mlp.Args(capture_video=True)
-    assert isinstance(ppo_mlp.make_video_recorder(cartpole, *ppo_mlp.make_env(cartpole.env_id), tmp_path, logger), ppo_mlp.VideoRecorder)
+    cartpole_params = envs.make_env(cartpole.env_id)[1]
+    assert isinstance(videos.make_video_recorder(cartpole, cartpole_params, tmp_path, logger), videos.VideoRecorder)
 
 
 class SignPolicy:
@@ -220,12 +231,14 @@ def test_evaluation_normalises_observations_with_the_runs_statistics():
     mean +1 makes it -1 and the policy takes action 1. Raw observations would give the same
     action both times."""
     args = ppo_mlp.Args(eval_episodes=4)
-    env, env_params = ppo_mlp.make_env("probe_envs:ActionDependentReward")
+    env, env_params = envs.make_env("probe_envs:ActionDependentReward")
     key = jax.random.key(0)
     obs_shape = env.observation_space(env_params).shape
+    policy = ppo_mlp.make_evaluation(SignPolicy(), env, env_params, args)
     returns = [
-        float(ppo_mlp.evaluate_policy(
-            None, key, SignPolicy(), env, env_params, args, ppo_mlp.running_mean_std(obs_shape)._replace(mean=jnp.full(obs_shape, mean))
+        float(evaluation.evaluate_policy(
+            policy, state_with(ppo_mlp, None, ppo_mlp.running_mean_std(obs_shape)._replace(mean=jnp.full(obs_shape, mean))),
+            key, args, env_params,
         )["eval/episodic_return"])
         for mean in (-1.0, 1.0)
     ]

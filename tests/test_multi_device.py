@@ -12,6 +12,7 @@ from helpers import run_script
 
 import ppo_lstm_impala
 import ppo_mlp
+from ppo_support import cpu, devices, envs
 
 TWO_CPU_DEVICES = {
     **os.environ,
@@ -37,26 +38,34 @@ ONE_DEVICE_ARGS = {
 
 
 @pytest.mark.parametrize("name", sorted(ONE_DEVICE_ARGS))
-def test_a_one_device_mesh_gives_exactly_the_single_device_result(name, monkeypatch):
+def test_a_one_device_mesh_gives_the_single_device_result(name, monkeypatch):
+    """The shard_map path on one device trains as no mesh does: the same states and metrics up to
+    float rounding. Not bit for bit: with vmapped seeds inside shard_map XLA may order a
+    reduction differently (on an AMD EPYC VM, 2026-12-05, the LSTM's states and policy loss
+    differed in their last bits after one cycle, on the code of 74431a3 too)."""
     module = {"ppo_mlp": ppo_mlp, "ppo_lstm_impala": ppo_lstm_impala}[name]
     # Under shard_map conv3x3_for_cpu hands over to XLA's own convolution; this test is about the
     # mesh, so both runs use XLA's convolution.
     monkeypatch.setattr(
-        ppo_lstm_impala, "conv3x3_for_cpu",
+        cpu, "conv3x3_for_cpu",
         lambda lhs, rhs, window_strides, padding, **unused: jax.lax.conv_general_dilated(
-            lhs, rhs, window_strides, padding, dimension_numbers=ppo_lstm_impala.NHWC_HWIO
+            lhs, rhs, window_strides, padding, dimension_numbers=cpu.NHWC_HWIO
         ),
     )
     args = ONE_DEVICE_ARGS[name]()
-    env, env_params = module.make_env(args.env_id)
-    results = []
-    for mesh in [None, jax.make_mesh((1,), (module.DEVICE_AXIS,))]:
+    env, env_params = envs.make_env(args.env_id)
+    results, final_states = [], []
+    for mesh in [None, jax.make_mesh((1,), (devices.DEVICE_AXIS,))]:
         init, train = module.make_train(args, env, env_params, mesh)
-        states = module.place_on_mesh(module.stack_seeds([init(seed) for seed in (1, 2)]), mesh)
-        _, metrics = jax.jit(lambda s: train(s))(states)
+        states = devices.place_on_mesh(devices.stack_seeds([init(seed) for seed in (1, 2)]), mesh)
+        states, metrics = jax.jit(lambda s: train(s))(states)
         results.append({name: np.asarray(value) for name, value in metrics.items()})
+        final_states.append(jax.tree.leaves(states.params) + jax.tree.leaves(states.env.obs))
+    assert results[0].keys() == results[1].keys()
     for name in results[0]:
-        np.testing.assert_array_equal(results[0][name], results[1][name], err_msg=name)
+        np.testing.assert_allclose(results[0][name], results[1][name], rtol=1e-5, atol=1e-6, err_msg=name)
+    for alone, meshed in zip(*final_states, strict=True):
+        np.testing.assert_allclose(alone, meshed, rtol=1e-5, atol=1e-6)
 
 
 def test_two_devices_learn_cartpole_like_one_with_the_same_global_batch(tmp_path):

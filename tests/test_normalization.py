@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import gymnax
 import jax
@@ -22,6 +21,7 @@ from helpers import ROOT, run_script
 import ppo_lstm_impala
 import ppo_mlp
 import probe_envs
+from ppo_support import cpu, devices, envs
 
 SCRIPTS = {"ppo_mlp": ppo_mlp, "ppo_lstm_impala": ppo_lstm_impala}
 
@@ -119,9 +119,9 @@ def test_norm_obs_freezes_the_statistics_within_a_cycle():
     and the stats count every raw observation of each rollout once."""
     args = ppo_mlp.Args(num_parallel_envs=4, num_env_steps_per_cycle=16, num_minibatches_per_epoch=1,
                         num_epochs_per_cycle=1, num_total_env_steps=4 * 16 * 3, norm_obs=True, norm_reward=True)
-    env, env_params = ppo_mlp.make_env(args.env_id)
+    env, env_params = envs.make_env(args.env_id)
     init, train = ppo_mlp.make_train(args, env, env_params)
-    states, metrics = jax.jit(train)(ppo_mlp.stack_seeds([init(1)]))
+    states, metrics = jax.jit(train)(devices.stack_seeds([init(1)]))
     np.testing.assert_array_equal(metrics["losses/actor_approxkl1"], 0.0)
     np.testing.assert_array_equal(metrics["losses/actor_clipfrac"], 0.0)
     np.testing.assert_allclose(states.obs_stats.count, 1e-4 + 3 * args.batch_size)
@@ -144,7 +144,7 @@ def test_norm_obs_freezes_the_statistics_within_a_cycle():
 def test_normalisation_off_leaves_no_statistics(name):
     """With the flags off the TrainState holds None (no leaves): the path is today's, and older
     checkpoints still load."""
-    env, env_params = SCRIPTS[name].make_env("CartPole-v1" if name == "ppo_mlp" else "Breakout-MinAtar")
+    env, env_params = envs.make_env("CartPole-v1" if name == "ppo_mlp" else "Breakout-MinAtar")
     stats = SCRIPTS[name].normalization_stats(SCRIPTS[name].Args(), env, env_params)
     assert set(stats) <= {"obs_stats", "reward_stats"} and all(value is None for value in stats.values())
 
@@ -210,12 +210,10 @@ def executed_actions(env, env_params, agent_actions, key):
     return jax.lax.scan(step, (state, key), (agent_actions, keys))[1]
 
 
-@pytest.mark.parametrize("name", sorted(SCRIPTS))
-def test_sticky_actions_repeat_the_previous_executed_action_at_rate_p(name):
-    module = SCRIPTS[name]
+def test_sticky_actions_repeat_the_previous_executed_action_at_rate_p():
     p, num_envs, num_steps = 0.25, 64, 400
     inner = ManyActions()
-    env = module.StickyActions(inner, p)
+    env = envs.StickyActions(inner, p)
     agent = jax.random.randint(jax.random.key(3), (num_envs, num_steps), 0, 6)
     run = jax.jit(jax.vmap(lambda actions, key: executed_actions(env, inner.default_params, actions, key)))
     executed, done = (np.asarray(x) for x in run(agent, jax.random.split(jax.random.key(4), num_envs)))
@@ -236,23 +234,23 @@ def test_sticky_actions_repeat_the_previous_executed_action_at_rate_p(name):
 def test_sticky_action_prob_0_is_the_unwrapped_env_and_p_wraps_any_env(name):
     module = SCRIPTS[name]
     env_id = "CartPole-v1" if name == "ppo_mlp" else "Breakout-MinAtar"
-    plain, _ = module.make_env(env_id)
+    plain, _ = envs.make_env(env_id)
     assert type(plain) is type(gymnax.make(env_id)[0])
-    assert type(module.make_env(env_id, 0.0)[0]) is type(plain)
-    sticky, env_params = module.make_env(env_id, 0.1)
-    assert isinstance(sticky, module.StickyActions) and sticky.env.__class__ is plain.__class__
+    assert type(envs.make_env(env_id, 0.0)[0]) is type(plain)
+    sticky, env_params = envs.make_env(env_id, 0.1)
+    assert isinstance(sticky, envs.StickyActions) and sticky.env.__class__ is plain.__class__
     assert sticky.action_space(env_params).n == plain.action_space(env_params).n
     assert sticky.observation_space(env_params).shape == plain.observation_space(env_params).shape
     assert not module.uses_action_mask(module.Args(), sticky)
 
 
 def test_sticky_actions_wrap_a_suite_adapter():
-    env, env_params = ppo_mlp.make_env("MiniGrid-Empty-5x5", 0.5)
-    assert isinstance(env.env, ppo_mlp.SuiteEnv)
+    env, env_params = envs.make_env("MiniGrid-Empty-5x5", 0.5)
+    assert isinstance(env.env, envs.SuiteEnv)
     _, state = jax.eval_shape(env.reset, jax.random.key(0), env_params)  # traced, not run
     obs, state, *_, info = jax.eval_shape(env.step, jax.random.key(1), state, jnp.int32(2), env_params)
     assert obs.shape == env.observation_space(env_params).shape == info["final_observation"].shape
-    assert state.previous_action.dtype == jnp.int32 and "success" in ppo_mlp.env_info_names(env, env_params)
+    assert state.previous_action.dtype == jnp.int32 and "success" in envs.env_info_names(env, env_params)
 
 
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
@@ -261,7 +259,7 @@ def test_a_repeated_action_the_mask_forbids_is_not_executed(name):
     which the mask always forbids: the agent's action 1 (reward 0.5) is always executed."""
     module = SCRIPTS[name]
     inner = probe_envs.MaskedActions()
-    env = module.StickyActions(inner, 0.9)
+    env = envs.StickyActions(inner, 0.9)
     assert module.uses_action_mask(module.Args(), env)
     np.testing.assert_array_equal(env.action_mask(env.reset(jax.random.key(0), inner.default_params)[1], None),
                                   [False, True, True])
@@ -273,7 +271,7 @@ def test_a_repeated_action_the_mask_forbids_is_not_executed(name):
     rewards = jax.jit(jax.vmap(reward))(jax.random.split(jax.random.key(5), 200))
     np.testing.assert_array_equal(rewards, 0.5)
     # without a mask, the same env repeats action 0 (reward 1) about 90% of the time
-    unmasked = module.StickyActions(probe_envs.ActionDependentReward(), 0.9)
+    unmasked = envs.StickyActions(probe_envs.ActionDependentReward(), 0.9)
     step = lambda key: unmasked.step(key, unmasked.reset(key, None)[1], jnp.int32(1), inner.default_params)[2]  # noqa: E731
     assert 0.8 < float(jnp.mean(jax.vmap(step)(jax.random.split(jax.random.key(6), 200)) == 1.0)) < 0.97
 
@@ -307,8 +305,8 @@ def test_the_cpu_convolution_equals_xla_s_for_valid_padding():
         body = lambda carry, _: (carry, jax.value_and_grad(loss, argnums=(0, 1))(x, kernel))  # noqa: E731
         return jax.jit(lambda: jax.lax.scan(body, 0.0, None, length=2)[1])()
 
-    xla = grads(lambda x, k, s, p: jax.lax.conv_general_dilated(x, k, s, p, dimension_numbers=ppo_lstm_impala.NHWC_HWIO))
-    for expected, actual in zip(jax.tree.leaves(xla), jax.tree.leaves(grads(ppo_lstm_impala.conv3x3_for_cpu))):
+    xla = grads(lambda x, k, s, p: jax.lax.conv_general_dilated(x, k, s, p, dimension_numbers=cpu.NHWC_HWIO))
+    for expected, actual in zip(jax.tree.leaves(xla), jax.tree.leaves(grads(cpu.conv3x3_for_cpu))):
         np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4)
 
 
@@ -363,12 +361,3 @@ def test_resume_with_normalisation_and_sticky_actions_is_bit_identical(tmp_path)
     strip = lambda path: [{k: v for k, v in json.loads(line).items() if k != "charts/SPS"}  # noqa: E731
                           for line in (path / "metrics.jsonl").read_text().splitlines()]
     assert strip(resumed) == strip(whole)
-
-
-def test_both_scripts_share_the_sticky_actions_and_reward_scaling_code():
-    import inspect
-
-    names = ["StickyState", "StickyActions", "uses_action_mask", "RunningMeanStd", "running_mean_std",
-             "update_running_mean_std", "normalize_rewards"]
-    for name in names:
-        assert inspect.getsource(getattr(ppo_mlp, name)) == inspect.getsource(getattr(ppo_lstm_impala, name)), name

@@ -20,6 +20,7 @@ from helpers import run_script
 from reference import gae_reference, ppo_loss_reference
 
 import ppo_lstm_impala as ppo
+from ppo_support import cpu, envs
 
 SCRIPT = Path(ppo.__file__)
 TINY = dict(impala_channels=(4,), torso_size=32, lstm_size=32)
@@ -201,7 +202,7 @@ def test_push_frame_resets_stack_at_episode_start():
 
 def test_rollout_frame_stack_and_final_obs_at_episode_boundaries(tmp_path):
     args = tiny_args(tmp_path, env_id=MEMORY_ENV_ID, frame_stack=2, num_env_steps_per_cycle=14)
-    env, env_params = ppo.make_env(args.env_id)
+    env, env_params = envs.make_env(args.env_id)
     channels = env.observation_space(env_params).shape[-1]
     network = ppo.make_network(args, 2)
     obs_shape = ppo.stacked_obs_shape(env, env_params, args.frame_stack)
@@ -231,7 +232,7 @@ def test_rollout_frame_stack_and_final_obs_at_episode_boundaries(tmp_path):
 
 def test_invalid_actions_are_never_taken_when_the_env_masks_them(tmp_path):
     args = tiny_args(tmp_path, env_id="probe_envs:MaskedActionsImage")
-    env, env_params = ppo.make_env(args.env_id)
+    env, env_params = envs.make_env(args.env_id)
     assert ppo.uses_action_mask(args, env) and not ppo.uses_action_mask(tiny_args(tmp_path, mask_invalid_actions=False), env)
     network = ppo.make_network(args, 3)
     params = ppo.init_params(network, jax.random.key(0), args, (3, 3, 1))
@@ -248,7 +249,7 @@ def test_next_value_uses_pre_reset_carry(tmp_path, lstm_training):
     """V(final_obs[t]) comes from the carry after obs[t] of the same episode; checked against an
     independent per-episode forward pass, and shown to differ from a reset (zero) carry."""
     args = tiny_args(tmp_path, env_id="probe_envs:TimeLimitImage", lstm_training=lstm_training, num_env_steps_per_cycle=12)
-    env, env_params = ppo.make_env(args.env_id)
+    env, env_params = envs.make_env(args.env_id)
     network = ppo.make_network(args, 2)
     params = ppo.init_params(network, jax.random.key(0), args, (3, 3, 1))
     env_carry = ppo.reset_envs(jax.random.key(1), env, env_params, args.num_parallel_envs, args)
@@ -336,7 +337,7 @@ def probe_run(tmp_path, env_id, **overrides):
         assert (Path(args.run_dir) / name).exists(), name
     loaded_args, params = ppo.load_params(args.run_dir)
     assert loaded_args == args
-    env, env_params = ppo.make_env(env_id)
+    env, env_params = envs.make_env(env_id)
     network = ppo.make_network(args, env.action_space(env_params).n)
     obs, _ = env.reset(jax.random.key(0), env_params)
     seed_params = jax.tree.map(lambda x: x[0], params)
@@ -496,7 +497,7 @@ def test_the_cpu_convolution_equals_xla_s_inside_a_scan(shape):
 
         return jax.jit(lambda: jax.lax.scan(body, 0.0, None, length=2)[1])()
 
-    xla = in_a_scan(lambda x, k, s, p: jax.lax.conv_general_dilated(x, k, s, p, dimension_numbers=ppo.NHWC_HWIO))
-    ours = in_a_scan(ppo.conv3x3_for_cpu)
+    xla = in_a_scan(lambda x, k, s, p: jax.lax.conv_general_dilated(x, k, s, p, dimension_numbers=cpu.NHWC_HWIO))
+    ours = in_a_scan(cpu.conv3x3_for_cpu)
     for expected, actual in zip(jax.tree.leaves(xla), jax.tree.leaves(ours)):
         np.testing.assert_allclose(actual, expected, rtol=1e-4, atol=1e-4)

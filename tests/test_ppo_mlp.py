@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import jax
@@ -13,24 +14,26 @@ import numpy as np
 import pytest
 
 import ppo_mlp
-from helpers import read_wandb_offline_run, run_script
+import ppo_support
+from helpers import ROOT, read_wandb_offline_run, run_script
 from reference import gae_reference, ppo_loss_reference
+from ppo_support import devices, envs, rundir
 
 SCRIPT = Path(ppo_mlp.__file__)
 
 
 def train_in_process(args: ppo_mlp.Args, log_fn=None):
     """Trains without writing anything; returns (final states, metrics (cycles, seeds))."""
-    env, env_params = ppo_mlp.make_env(args.env_id)
+    env, env_params = envs.make_env(args.env_id)
     init, train = ppo_mlp.make_train(args, env, env_params)
-    states = ppo_mlp.stack_seeds([init(args.seed + i) for i in range(args.num_seeds)])
+    states = devices.stack_seeds([init(args.seed + i) for i in range(args.num_seeds)])
     states, metrics = jax.jit(lambda s: train(s, log_fn))(states)
     return states, {name: np.asarray(value) for name, value in metrics.items()}
 
 
 def evaluate_network(args: ppo_mlp.Args, states, obs):
     """Logits and values of seed 0's final parameters on a batch of observations."""
-    env, env_params = ppo_mlp.make_env(args.env_id)
+    env, env_params = envs.make_env(args.env_id)
     network = ppo_mlp.make_network(args, env.action_space(env_params).n)
     params = jax.tree.map(lambda x: x[0], states.params)
     return network.apply(params, jnp.asarray(obs, jnp.float32))
@@ -308,8 +311,14 @@ def test_run_dir_holds_args_metrics_summary_and_loadable_params(tmp_path):
     )
     assert result.returncode == 0, result.stderr
     assert "SPS" in result.stdout and "cycle 128/128" in result.stdout
+    # the console line ends with the time since training started and what is left: 0 at the end
+    assert re.search(r"^cycle 128/128 \|.* \| elapsed \d+:\d\d:\d\d \| ETA 0:00:00$", result.stdout, re.MULTILINE), result.stdout
     args = json.loads((run_dir / "args.json").read_text())
     assert args["num_env_steps_per_cycle"] == 2 and args["num_seeds"] == 2
+    # beside the script that wrote it: the version of ppo_support and the commit of its checkout
+    assert (args["script"], args["script_path"]) == ("ppo_mlp.py", str(SCRIPT.resolve()))
+    assert args["ppo_support_version"] == ppo_support.__version__
+    assert args["ppo_support_commit"].removesuffix("-dirty") == rundir.git_info(ROOT)["git_commit"]
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 128 * 2

@@ -18,6 +18,7 @@ from helpers import ROOT, run_script
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from runs import differing_labels, load_module, load_script_for_run, metric_table, read_run, script_path_for_run  # noqa: E402
+from ppo_support import devices, envs
 
 TINY = ["--num-total-env-steps", "256", "--num-seeds", "2"]
 SWEEP_GRID = ["--num-parallel-envs", "4", "--num-env-steps-per-cycle", "32", "--num-minibatches-per-epoch", "1", "2", "3"]
@@ -217,6 +218,56 @@ def test_tools_read_a_run_with_the_renamed_copy_of_the_script_that_wrote_it(tmp_
     assert "imported my_ppo.py" in result.stdout and grid.stat().st_size > 0
 
 
+def test_tools_never_run_a_script_that_lies_inside_the_run_dir_and_take_one_with_script(tmp_path):
+    """A shared run dir whose args.json names a file inside itself (directly, or through a symlink
+    outside that points back in): evaluate.py and plot.py refuse it with one line, exit 2, and run
+    none of it; with --script they load the script given instead, and say which."""
+    run_dir = tmp_path / "shared"
+    lstm_run_dir(run_dir)
+    (run_dir / "metrics.jsonl").write_text(METRIC_ROWS)
+    planted = run_dir / "ppo_lstm_impala.py"
+    planted.write_text("import pathlib\npathlib.Path(__file__).with_name('ran').touch()\n")
+    link = tmp_path / "looks_outside.py"
+    link.symlink_to(planted)
+    args = json.loads((run_dir / "args.json").read_text())
+    for recorded in [planted, link]:
+        (run_dir / "args.json").write_text(json.dumps({**args, "script": "ppo_lstm_impala.py", "script_path": str(recorded)}))
+        for tool, *arguments in [("evaluate.py", "--episodes", "1"), ("plot.py", "--out", str(tmp_path / "x.png"), "--debug-grid")]:
+            result = run_script(f"scripts/{tool}", str(run_dir), *arguments, timeout=120)
+            assert result.returncode == 2, result.stderr
+            error_lines = [line for line in result.stderr.splitlines() if "error:" in line]
+            assert len(error_lines) == 1 and "inside the run dir" in error_lines[0] and "--script" in error_lines[0]
+            assert not (run_dir / "ran").exists() and not (tmp_path / "x.png").exists()
+    script = ROOT / "ppo_lstm_impala.py"
+    result = run_script("scripts/evaluate.py", str(run_dir), "--episodes", "1", "--script", str(script), timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert f"script: {script}" in result.stdout and not (run_dir / "ran").exists()
+    result = run_script("scripts/plot.py", str(run_dir), "--out", str(tmp_path / "x.png"), "--debug-grid", "--script",
+                        str(script), timeout=300)
+    assert result.returncode == 0 and f"script: {script}" in result.stdout, result.stderr
+
+
+def test_a_loaded_script_imports_the_package_beside_it_and_the_tools_keep_theirs(tmp_path):
+    """Another checkout (a copy of ppo_mlp.py with a ppo_support of its own): the loaded script
+    gets that checkout's package; the tools' own stays the one beside them."""
+    import shutil
+
+    import ppo_support
+
+    checkout = tmp_path / "other_checkout"
+    shutil.copytree(ROOT / "ppo_support", checkout / "ppo_support", ignore=shutil.ignore_patterns("__pycache__"))
+    init = checkout / "ppo_support" / "__init__.py"
+    init.write_text(init.read_text().replace(f'__version__ = "{ppo_support.__version__}"', '__version__ = "0.0.0-other"'))
+    (checkout / "my_ppo.py").write_text((ROOT / "ppo_mlp.py").read_text())
+    module = load_module(checkout / "my_ppo.py")
+    assert Path(module.rundir.__file__).parent == checkout / "ppo_support"
+    assert module.rundir.script_info(module.Args())["ppo_support_version"] == "0.0.0-other"
+    assert sys.modules["ppo_support"] is ppo_support and Path(ppo_support.__file__).parent == ROOT / "ppo_support"
+    assert sys.modules["ppo_support.rundir"].__file__ == str(ROOT / "ppo_support" / "rundir.py")
+    # a script beside the tools' own package shares it
+    assert load_module(ROOT / "ppo_mlp.py").rundir is sys.modules["ppo_support.rundir"]
+
+
 def test_a_run_whose_script_is_gone_gets_one_error_line_from_evaluate_and_plot(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
@@ -242,10 +293,10 @@ def lstm_run_dir(run_dir: Path, num_seeds: int = 2, env_id: str = "Breakout-MinA
 
     args = lstm.Args(env_id=env_id, num_seeds=num_seeds, impala_channels=(4,), torso_size=16, lstm_size=8,
                      frame_stack=2, run_dir=str(run_dir))
-    env, env_params = lstm.make_env(args.env_id)
+    env, env_params = envs.make_env(args.env_id)
     network = lstm.make_network(args, env.action_space(env_params).n)
     obs_shape = lstm.stacked_obs_shape(env, env_params, args.frame_stack)
-    params = lstm.stack_seeds([lstm.init_params(network, jax.random.key(seed), args, obs_shape) for seed in range(num_seeds)])
+    params = devices.stack_seeds([lstm.init_params(network, jax.random.key(seed), args, obs_shape) for seed in range(num_seeds)])
     run_dir.mkdir(parents=True)
     (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args)))
     (run_dir / "params.msgpack").write_bytes(flax.serialization.to_bytes(params))
@@ -254,45 +305,59 @@ def lstm_run_dir(run_dir: Path, num_seeds: int = 2, env_id: str = "Breakout-MinA
 
 @pytest.mark.skipif(not (ROOT / "ppo_lstm_impala.py").is_file(), reason="ppo_lstm_impala.py is not in the repo")
 def test_evaluate_uses_the_lstm_script_and_resets_the_carry_at_episode_starts(tmp_path):
+    """evaluate.py plays the script's own eval_step: it threads the LSTM carry on, ignores the
+    incoming carry where an episode starts, and starts the next step's episode where this one ended."""
     import jax
     import jax.numpy as jnp
-    from evaluate import LSTMAgent
+    from ppo_support import evaluation
 
     lstm, args, env, env_params, network, params = lstm_run_dir(tmp_path / "lstm")
     result = run_script("scripts/evaluate.py", str(tmp_path / "lstm"), "--episodes", "2")
     assert result.returncode == 0, result.stderr
+    assert f"script: {ROOT / 'ppo_lstm_impala.py'}" in result.stdout
     assert "ppo_lstm_impala.py" in result.stdout and re.search(r"^mean_return: ", result.stdout, re.MULTILINE)
 
-    agent = LSTMAgent(lstm, args, network, env, env_params)
-    seed_params = jax.tree.map(lambda x: x[0], params)
-    frame, env_state = jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(jax.random.key(0), 3), env_params)
-    stack, starts, carry = agent.reset(frame)
-    assert stack.shape[-1] == 2 * frame.shape[-1] and bool(starts.all()) and not carry.any()
-    logits, (_, _, next_carry) = agent.logits(seed_params, (stack, starts, carry), env_state)
-    assert next_carry.any()  # the carry is threaded on
+    policy = lstm.make_evaluation(network, env, env_params, args)
+    state = lstm.TrainState(**dict.fromkeys(lstm.TrainState._fields))._replace(params=jax.tree.map(lambda x: x[0], params))
+    carry = evaluation.start_evaluation(jax.random.key(0), policy, 3)
+    assert carry.env.obs.shape[-1] == 2 * env.observation_space(env_params).shape[-1]  # the frame stack
+    assert bool(carry.env.episode_start.all()) and not carry.env.lstm_carry.any()
+    step = jax.jit(policy.step)
+    stepped = step(state, carry)
+    assert stepped.env.lstm_carry.any()  # the carry is threaded on
     # Where an episode starts, whatever carry came in is ignored; elsewhere it matters.
-    noisy_carry = jax.random.normal(jax.random.key(1), carry.shape)
-    noisy_logits, _ = agent.logits(seed_params, (stack, starts, noisy_carry), env_state)
-    assert jnp.allclose(logits, noisy_logits)
-    noisy_logits, _ = agent.logits(seed_params, (stack, jnp.zeros_like(starts), noisy_carry), env_state)
-    assert not jnp.allclose(logits, noisy_logits)
-    # observe: the next step's episode_start is this step's done.
-    done = jnp.array([True, False, False])
-    _, next_starts, _ = agent.observe((stack, starts, next_carry), frame, done)
-    assert (next_starts == done).all()
+    noisy = carry._replace(env=carry.env._replace(lstm_carry=jax.random.normal(jax.random.key(1), carry.env.lstm_carry.shape)))
+    assert jnp.allclose(step(state, noisy).env.lstm_carry, stepped.env.lstm_carry)
+    going_on = noisy._replace(env=noisy.env._replace(episode_start=jnp.zeros(3, bool)))
+    assert not jnp.allclose(step(state, going_on).env.lstm_carry, stepped.env.lstm_carry)
+    # the next step's episode_start is this step's done (Breakout's first step ends no episode)
+    assert not stepped.env.episode_start.any() and not stepped.finished.any()
 
 
 @pytest.mark.skipif(not (ROOT / "ppo_lstm_impala.py").is_file(), reason="ppo_lstm_impala.py is not in the repo")
 def test_evaluate_masks_invalid_actions_of_the_lstm_policy_as_in_training(tmp_path):
-    """MaskedActionsImage: action 0 pays 1 but is always invalid, so no step may pay 1."""
-    import jax
-    from evaluate import LSTMAgent, make_rollout
+    """MaskedActionsImage: action 0 pays 1 but is always invalid, so no episode may return 1:
+    evaluate.py's policy, loaded from the run dir and sampling, returns 0.5 or 0."""
+    import dataclasses
 
-    lstm, args, env, env_params, network, params = lstm_run_dir(tmp_path / "masked", env_id="probe_envs:MaskedActionsImage")
-    agent = LSTMAgent(lstm, args, network, env, env_params)
-    rollout = jax.jit(make_rollout(agent, env, env_params, num_envs=32, num_steps=8, greedy=False))
-    reward, *_ = rollout(jax.tree.map(lambda x: x[0], params), jax.random.key(0))
-    assert reward.shape == (8, 32) and float(reward.max()) == 0.5  # action 1 (pays 0.5) taken, action 0 never
+    import jax
+    import jax.numpy as jnp
+    from evaluate import load_policy
+
+    lstm_run_dir(tmp_path / "masked", env_id="probe_envs:MaskedActionsImage")
+    module, args, states = load_policy(tmp_path / "masked", None)
+    args = dataclasses.replace(args, eval_greedy=False)
+    env, env_params = module.envs.make_env(args.env_id)
+    policy = module.make_evaluation(module.make_network(args, env.action_space(env_params).n), env, env_params, args)
+    evaluation = module.evaluation
+
+    @jax.jit
+    def returns(state, key):
+        carry = evaluation.play_first_episodes(policy, state, evaluation.start_evaluation(key, policy, 64), 8)
+        return jnp.where(carry.finished, carry.env.episode_return, jnp.nan)
+
+    played = returns(jax.tree.map(lambda x: x[0], states), jax.random.key(0))
+    assert played.shape == (64,) and set(played.tolist()) == {0.0, 0.5}  # action 1 (0.5) and 2 (0) taken, action 0 never
 
 
 @pytest.mark.parametrize(

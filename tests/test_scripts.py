@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from helpers import ROOT, run_script
 
+from ppo_support import cli
+
 
 def test_benchmark_prints_a_markdown_row_per_config(tmp_path):
     out = tmp_path / "bench.md"
@@ -143,6 +145,6 @@ def test_benchmark_gpu_configs_are_valid_flags_of_their_script(script, monkeypat
     module = importlib.import_module(script.removesuffix(".py"))
     assert benchmark.GPU_CONFIGS[script]
     for name in benchmark.GPU_CONFIGS[script]:
-        args = module.parse_args(benchmark.CONFIGS[script][name])
+        args = cli.parse_args(module.Args, benchmark.CONFIGS[script][name])
         module.validate_args(args)
         assert args.num_total_env_steps >= args.batch_size, name  # at least one cycle

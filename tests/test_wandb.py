@@ -6,17 +6,15 @@ keys, is tested in test_ppo_mlp.py.)"""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-import ppo_mlp
 from helpers import ROOT, read_wandb_offline_run, run_script
+from ppo_support import rundir
 
 # 4 cycles of 2 seeds each, checkpointed every cycle.
 TINY = {
@@ -101,14 +99,10 @@ def test_resume_continues_each_seeds_wandb_run(tmp_path, per_seed_run):
 
 
 def test_git_info_is_empty_outside_a_checkout_and_without_git(tmp_path, monkeypatch):
-    assert ppo_mlp.git_info()["git_commit"] == head_commit()
+    assert rundir.git_info(ROOT / "ppo_mlp.py")["git_commit"] == head_commit()
     copy = tmp_path / "ppo_mlp_copy.py"
     shutil.copy(ROOT / "ppo_mlp.py", copy)
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # git must not look above tmp_path
-    spec = importlib.util.spec_from_file_location("ppo_mlp_copy", copy)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "ppo_mlp_copy", module)  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    assert module.git_info() == {}
+    assert rundir.git_info(copy) == {}
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    assert ppo_mlp.git_info() == {}
+    assert rundir.git_info(ROOT / "ppo_mlp.py") == {}

@@ -1,0 +1,131 @@
+"""The command line of both scripts: parsing the flags (tyro), the checks on the flags that both
+scripts have, and the exit codes of `main`: 2 for bad input (one `error:` line, nothing written),
+1 when a seed failed or the run dir could not be written, else 0."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import itertools
+import math
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import tyro
+
+from . import rundir
+from .errors import ConfigError, WriteError, flag
+
+# Flags of both scripts that must be positive integers.
+POSITIVE_INTS = (
+    "num_seeds", "num_total_env_steps", "num_parallel_envs", "num_env_steps_per_cycle", "num_epochs_per_cycle",
+    "num_minibatches_per_epoch", "log_every_cycles", "keep_checkpoints", "eval_episodes",
+)
+WANDB_NAME_LIMIT = 128  # characters in a wandb project or group name
+WANDB_TAG_LIMIT = 64  # characters in a wandb tag
+WANDB_PROJECT_FORBIDDEN = "/\\#?%:"  # characters wandb refuses in a project name
+
+
+def check_common_args(args: Any, more_positive_ints: tuple[str, ...] = ()) -> None:
+    """The checks on the flags both scripts have, before anything is compiled or written; each
+    script's validate_args adds its own. A ConfigError names the flag."""
+    for name in POSITIVE_INTS + more_positive_ints:
+        if getattr(args, name) <= 0:
+            raise ConfigError(f"{flag(name)} must be a positive integer, got {getattr(args, name)}")
+    if args.num_devices < 0:
+        raise ConfigError(f"--num-devices must be >= 0 (0 = every device), got {args.num_devices}")
+    if args.seed < 0:
+        raise ConfigError(f"--seed must be >= 0, got {args.seed}")
+    if args.batch_size % args.num_minibatches_per_epoch != 0:
+        raise ConfigError(
+            f"--num-minibatches-per-epoch {args.num_minibatches_per_epoch} does not divide the "
+            f"batch of --num-parallel-envs x --num-env-steps-per-cycle = {args.batch_size}"
+        )
+    if args.num_cycles == 0:
+        raise ConfigError(
+            f"--num-total-env-steps {args.num_total_env_steps} is smaller than one cycle "
+            f"(--num-parallel-envs x --num-env-steps-per-cycle = {args.batch_size})"
+        )
+    for name in ["lr", "clip_eps", "max_grad_norm", "adam_eps"]:
+        if not 0 < getattr(args, name) < math.inf:
+            raise ConfigError(f"{flag(name)} must be a finite number > 0, got {getattr(args, name)}")
+    for name in ["ent_coef", "vf_coef"]:
+        if not 0 <= getattr(args, name) < math.inf:
+            raise ConfigError(f"{flag(name)} must be a finite number >= 0, got {getattr(args, name)}")
+    for name in ["gamma", "gae_lambda"]:
+        if not 0 <= getattr(args, name) <= 1:
+            raise ConfigError(f"{flag(name)} must be in [0, 1], got {getattr(args, name)}")
+    for name in ["eval_every_cycles", "checkpoint_every_cycles"]:
+        if getattr(args, name) is not None and getattr(args, name) <= 0:
+            raise ConfigError(f"{flag(name)} must be a positive integer, got {getattr(args, name)}")
+    if args.target_kl is not None and not 0 < args.target_kl < math.inf:
+        raise ConfigError(f"--target-kl must be a finite number > 0 when set, got {args.target_kl}")
+    for name in ["run_dir", "resume"]:
+        if getattr(args, name) is not None and not getattr(args, name).strip():
+            raise ConfigError(f"{flag(name)} must name a folder, got {getattr(args, name)!r}")
+    check_wandb_args(args)
+    if not 0 <= args.sticky_action_prob < 1:
+        raise ConfigError(f"--sticky-action-prob must be in [0, 1), got {args.sticky_action_prob}")
+    if args.optimistic_reset_ratio < 1:
+        raise ConfigError(f"--optimistic-reset-ratio must be at least 1, got {args.optimistic_reset_ratio}")
+
+
+def check_wandb_args(args: Any) -> None:
+    """The limits wandb.init and its server put on names, checked before anything is compiled."""
+    project = args.wandb_project
+    if not project.strip() or len(project) > WANDB_NAME_LIMIT or any(char in project for char in WANDB_PROJECT_FORBIDDEN):
+        raise ConfigError(
+            f"--wandb-project must be 1 to {WANDB_NAME_LIMIT} characters, none of {' '.join(WANDB_PROJECT_FORBIDDEN)}; "
+            f"got {project!r}"
+        )
+    group = args.wandb_group
+    if group is not None and (not group.strip() or len(group) > WANDB_NAME_LIMIT):
+        raise ConfigError(f"--wandb-group must be 1 to {WANDB_NAME_LIMIT} characters when set, got {group!r}")
+    for tag in args.wandb_tags:
+        if not tag.strip() or len(tag) > WANDB_TAG_LIMIT:
+            raise ConfigError(f"--wandb-tags: each tag must be 1 to {WANDB_TAG_LIMIT} characters, got {tag!r}")
+
+
+def parse_args(args_class: type, argv: list[str] | None = None) -> Any:
+    """The script's Args from the command line (tyro), with tyro's boxed parse errors folded into
+    the one-line `error: ...` (exit code 2). With --resume RUN_DIR, the run's args.json gives the
+    defaults."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    default = None
+    for index, word in enumerate(argv):
+        resume_dir = argv[index + 1] if word == "--resume" and index + 1 < len(argv) else None
+        resume_dir = word.partition("=")[2] if word.startswith("--resume=") else resume_dir
+        if resume_dir and (Path(resume_dir) / "args.json").exists():
+            saved = rundir.args_from_json(Path(resume_dir) / "args.json", args_class)
+            default = dataclasses.replace(saved, resume=resume_dir)
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            return tyro.cli(args_class, args=argv, default=default)
+    except SystemExit as exit_request:
+        if exit_request.code in (0, None):
+            raise
+        # The box is: a title line, the message, a rule, then help text. Keep the message.
+        lines = [line.strip(" │╭╮╰╯") for line in captured.getvalue().splitlines()]
+        is_rule = lambda text: set(text) <= set("-─")  # noqa: E731
+        body = [text for text in lines[1:] if text]
+        body = body[1:] if body and is_rule(body[0]) else body
+        message = " ".join(itertools.takewhile(lambda text: not is_rule(text), body))
+        print(f"error: {message or captured.getvalue().strip()}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+def main(parse_and_run: Callable[[], dict[str, Any]]) -> int:
+    """The exit code of `parse_and_run()`, which returns the run's summary: 2 for bad input, 1
+    when the run dir could not be written or a seed failed (summary["failures"]), else 0."""
+    try:
+        summary = parse_and_run()
+    except ConfigError as error:  # bad input: nothing was written
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except (WriteError, OSError) as error:  # the run dir could not be written (disk full, no permission)
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 1 if summary["failures"] else 0

@@ -1,0 +1,113 @@
+"""Seeds and devices. Seeds are vmapped: one compiled program trains a stack of them (leading
+axis of every state leaf). Devices split each seed's parallel envs under `jax.shard_map`; the
+script's PPO averages gradients and metrics across them with the reductions here, which are the
+identity on one device."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from .errors import ConfigError
+
+DEVICE_AXIS = "devices"  # the shard_map axis that splits the parallel envs across devices
+
+
+def mean_over_devices(x: Any, axis_name: str | None) -> Any:
+    """The mean of every device's value under shard_map; the value itself on one device."""
+    return x if axis_name is None else jax.lax.pmean(x, axis_name)
+
+
+def sum_over_devices(x: Any, axis_name: str | None) -> Any:
+    return x if axis_name is None else jax.lax.psum(x, axis_name)
+
+
+def nanmean_or_nan(x: jax.Array, axis_name: str | None = None) -> jax.Array:
+    """Mean over the non-NaN entries (finished episodes only) of every device; NaN when there
+    are none."""
+    count = sum_over_devices(jnp.sum(~jnp.isnan(x)), axis_name)
+    total = sum_over_devices(jnp.nansum(x), axis_name)
+    return jnp.where(count > 0, total / jnp.maximum(count, 1), jnp.nan)
+
+
+def per_device(key: jax.Array, axis_name: str | None) -> jax.Array:
+    """Different random numbers on each device (only when there are several)."""
+    if axis_name is None or jax.lax.axis_size(axis_name) == 1:
+        return key
+    return jax.random.fold_in(key, jax.lax.axis_index(axis_name))
+
+
+def vmap_over_seeds(train_cycle_of_one_seed: Callable, num_seeds: int) -> Callable:
+    """The cycle of every seed (leading axis of the states and metrics). One seed runs unvmapped:
+    vmap over a size-1 axis turns every matmul into a batched one, which XLA:CPU runs slower."""
+    if num_seeds > 1:
+        return jax.vmap(train_cycle_of_one_seed)
+
+    def one_seed(states: Any) -> tuple[Any, dict[str, jax.Array]]:
+        state, metrics = train_cycle_of_one_seed(jax.tree.map(lambda x: x[0], states))
+        return jax.tree.map(lambda x: x[None], (state, metrics))
+
+    return one_seed
+
+
+def stack_seeds(trees: list[Any]) -> Any:
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+
+
+def state_partition_specs(state_type: type) -> Any:
+    """How a stack of states (a NamedTuple with an `env` field) lies across devices: the envs
+    (axis 1 of every `env` leaf, after the seed axis) are split, everything else is replicated."""
+    return state_type(*([P()] * len(state_type._fields)))._replace(env=P(None, DEVICE_AXIS))
+
+
+def shard_over_devices(cycle_of_every_seed: Callable, mesh: jax.sharding.Mesh, state_type: type) -> Callable:
+    """Each device steps its share of the envs; the metrics come back replicated."""
+    specs = state_partition_specs(state_type)
+    return jax.shard_map(cycle_of_every_seed, mesh=mesh, in_specs=(specs,), out_specs=(specs, P()))
+
+
+def place_on_mesh(states: Any, mesh: jax.sharding.Mesh | None) -> Any:
+    if mesh is None:
+        return states
+    shardings = jax.tree.map(
+        lambda spec, subtree: jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, spec), subtree),
+        state_partition_specs(type(states)),
+        states,
+        is_leaf=lambda node: isinstance(node, P),
+    )
+    return jax.device_put(states, shardings)
+
+
+def make_mesh(args: Any, sequence_length: int = 1) -> jax.sharding.Mesh | None:
+    """The devices the envs are split across; None for one device (no shard_map at all). Each
+    device cuts its own minibatches from its share of the batch: from its transitions
+    (sequence_length 1), or from its whole env sequences (ppo_lstm_impala.py's bptt)."""
+    if args.distributed:
+        jax.distributed.initialize()  # reads the coordinator address etc. from the environment
+    devices = jax.devices()
+    num_devices = args.num_devices or len(devices)
+    if num_devices > len(devices):
+        raise ConfigError(
+            f"--num-devices {num_devices}: only {len(devices)} {devices[0].platform} device(s) here "
+            "(on CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N simulates N)"
+        )
+    if args.num_parallel_envs % num_devices != 0:
+        raise ConfigError(f"--num-parallel-envs {args.num_parallel_envs} does not split evenly across {num_devices} devices (--num-devices)")
+    sequences = args.batch_size // num_devices // sequence_length  # each device's share, cut into minibatches
+    if sequences % args.num_minibatches_per_epoch != 0:
+        share = (f"batch of {sequences} transitions (--num-parallel-envs / --num-devices x --num-env-steps-per-cycle)"
+                 if sequence_length == 1 else f"{sequences} whole env sequences (--num-parallel-envs / --num-devices)")
+        raise ConfigError(f"--num-minibatches-per-epoch {args.num_minibatches_per_epoch} does not divide each device's {share}")
+    if num_devices == 1:
+        return None
+    return jax.make_mesh((num_devices,), (DEVICE_AXIS,), devices=devices[:num_devices])
+
+
+def peak_device_memory_mb() -> float | None:
+    """The accelerator's peak memory in use by this process (None where the backend does not tell,
+    as on CPU)."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats["peak_bytes_in_use"] / 2**20 if "peak_bytes_in_use" in stats else None

@@ -1,0 +1,138 @@
+"""Evaluation inside the jit. --eval-every-cycles K: after every K-th cycle and after the last,
+each seed plays --eval-episodes episodes with its current policy, on fresh envs of its own and
+with keys folded from its state's key (never split from it), so training runs bit for bit as
+without evaluation. --capture-video: at those cycles (only the last one without
+--eval-every-cycles) the episode of seed 0's first eval env is played once more, recorded step by
+step, and sent to a host callback (videos.VideoRecorder).
+
+The policy is the script's: its eval_step, its env resets and the frame a video shows of an
+observation, handed over as a Policy (the script's make_evaluation). This module only plays
+episodes with it; scripts/evaluate.py plays a finished run's policy the same way."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from . import devices, envs
+
+EVAL_METRIC_NAMES = ("eval/episodic_return", "eval/episodic_length")
+EVAL_KEY_TAG = 0x6576616C  # folded into the state's key ("eval"): the evaluation's own random stream
+DEFAULT_MAX_STEPS = 10_000  # episode cap of the evaluation for envs whose params have no max_steps_in_episode
+VIDEO_MAX_FRAMES = 1_000  # a video shows at most this many steps of its episode
+
+
+class EvalCarry(NamedTuple):
+    """What the evaluation's steps carry. In `env` (the script's EnvCarry), episode_return and
+    episode_length are those of each env's first episode, frozen once it has ended."""
+
+    env: Any
+    finished: jax.Array  # (N,) bool: the env's first episode has ended
+    key: jax.Array
+    num_steps: jax.Array  # steps taken
+
+
+class Policy(NamedTuple):
+    """A script's policy, as evaluation plays it."""
+
+    step: Callable  # (state of one seed, EvalCarry) -> EvalCarry: the script's eval_step
+    reset: Callable  # (key, num_envs) -> the script's EnvCarry of fresh episodes
+    frame: Callable  # one env's observation -> the frame a video shows of it
+
+
+def eval_metric_names(args: Any) -> tuple[str, ...]:
+    return EVAL_METRIC_NAMES if args.eval_every_cycles else ()
+
+
+def evaluation_due(cycle: jax.Array, args: Any) -> jax.Array:
+    """After the last cycle, and after every --eval-every-cycles-th one when it is set."""
+    last = cycle == args.num_cycles
+    return last | (cycle % args.eval_every_cycles == 0) if args.eval_every_cycles else last
+
+
+def max_eval_steps(env_params: Any) -> int:
+    return int(getattr(env_params, "max_steps_in_episode", DEFAULT_MAX_STEPS))
+
+
+def start_evaluation(key: jax.Array, policy: Policy, num_envs: int) -> EvalCarry:
+    reset_key, key = jax.random.split(key)
+    return EvalCarry(policy.reset(reset_key, num_envs), jnp.zeros((num_envs,), bool), key, jnp.int32(0))
+
+
+def play_first_episodes(policy: Policy, state: Any, carry: EvalCarry, max_steps: int) -> EvalCarry:
+    """Steps every env until each has finished its first episode, or for max_steps steps."""
+    return jax.lax.while_loop(
+        lambda carry: ~jnp.all(carry.finished) & (carry.num_steps < max_steps),
+        lambda carry: policy.step(state, carry),
+        carry,
+    )
+
+
+def evaluate_policy(policy: Policy, state: Any, key: jax.Array, args: Any, env_params: Any) -> dict[str, jax.Array]:
+    """--eval-episodes fresh envs play one seed's policy until each has finished its first episode,
+    or max_eval_steps. Returns eval/episodic_return and eval/episodic_length: their means over the
+    finished episodes (NaN when none finished)."""
+    start = start_evaluation(key, policy, args.eval_episodes)
+    carry = play_first_episodes(policy, state, start, max_eval_steps(env_params))
+    finished_only = lambda x: jnp.where(carry.finished, x.astype(jnp.float32), jnp.nan)  # noqa: E731
+    return {
+        "eval/episodic_return": devices.nanmean_or_nan(finished_only(carry.env.episode_return)),
+        "eval/episodic_length": devices.nanmean_or_nan(finished_only(carry.env.episode_length)),
+    }
+
+
+def record_video_episode(policy: Policy, state: Any, carry: EvalCarry):
+    """The episode of the first env of `carry`, step by step as evaluate_policy plays it, until it
+    ends or for VIDEO_MAX_FRAMES steps: (VIDEO_MAX_FRAMES, ...) arrays of the env state before
+    each step, the frame shown and whether the episode has ended (zeros after its end)."""
+    first_env = lambda carry: (  # noqa: E731
+        jax.tree.map(lambda x: x[0], envs.without_sticky_actions(carry.env.env_state)), policy.frame(carry.env.obs[0])
+    )
+    buffers = jax.tree.map(lambda x: jnp.zeros((VIDEO_MAX_FRAMES, *x.shape), x.dtype), (*first_env(carry), carry.finished[0]))
+
+    def step(loop: tuple[EvalCarry, Any]) -> tuple[EvalCarry, Any]:
+        carry, buffers = loop
+        new_carry = policy.step(state, carry)
+        recorded = (*first_env(carry), new_carry.finished[0])
+        return new_carry, jax.tree.map(lambda buffer, x: buffer.at[carry.num_steps].set(x), buffers, recorded)
+
+    running = lambda loop: ~loop[0].finished[0] & (loop[0].num_steps < VIDEO_MAX_FRAMES)  # noqa: E731
+    return jax.lax.while_loop(running, step, (carry, buffers))[1]
+
+
+def with_evaluation(
+    cycle_of_every_seed: Callable, metric_names: tuple[str, ...], policy: Policy, args: Any, env_params: Any,
+    video_fn: Callable | None,
+) -> tuple[Callable, tuple[str, ...]]:
+    """The cycle, then on the cycles that are evaluation_due: evaluate_policy for every seed
+    (eval/* metrics, NaN on the other cycles), and record_video_episode of seed 0, sent to
+    video_fn(cycle, env states, frames, done). Also returns the metric names with eval/* appended.
+    Outside shard_map: with several devices the evaluation is one replicated computation, the
+    same on each."""
+    names = eval_metric_names(args)
+    if not names and video_fn is None:
+        return cycle_of_every_seed, metric_names
+    evaluate_one_seed = lambda state, key: evaluate_policy(policy, state, key, args, env_params)  # noqa: E731
+    first = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
+    evaluate_every_seed = jax.vmap(evaluate_one_seed) if args.num_seeds > 1 else (  # see devices.vmap_over_seeds
+        lambda states, keys: jax.tree.map(lambda x: x[None], evaluate_one_seed(first(states), keys[0]))
+    )
+
+    def evaluate(states: Any) -> dict[str, jax.Array]:
+        keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(states.key, EVAL_KEY_TAG)  # the states' keys are not consumed
+        if video_fn is not None:
+            video = record_video_episode(policy, first(states), start_evaluation(keys[0], policy, args.eval_episodes))
+            jax.debug.callback(video_fn, states.cycle[0], *video)
+        return evaluate_every_seed(states, keys) if names else {}
+
+    def no_evaluation(states: Any) -> dict[str, jax.Array]:
+        return {name: jnp.full(states.cycle.shape, jnp.nan) for name in names}
+
+    def cycle(states: Any) -> tuple[Any, dict[str, jax.Array]]:
+        states, metrics = cycle_of_every_seed(states)
+        due = evaluation_due(states.cycle[0], args)
+        return states, {**metrics, **jax.lax.cond(due, evaluate, no_evaluation, states)}
+
+    return cycle, metric_names + names
