@@ -12,24 +12,18 @@ from the ppo_support package beside this file, by namespace: `envs.make_env`, `r
 from __future__ import annotations
 
 import dataclasses
-import json
-import logging
 import math
-import resource
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable, Literal, NamedTuple
 
 import flax.linen as nn
-import flax.serialization
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 try:
-    from ppo_support import cli, cpu, devices, envs, evaluation, logs, nan_guard, rundir, videos
+    from ppo_support import cli, cpu, devices, envs, evaluation, logs, nan_guard, rundir, sessions
 except ModuleNotFoundError as missing:  # a copy of this file away from the repository
     if missing.name != "ppo_support":
         raise
@@ -696,7 +690,7 @@ def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | 
 
 
 # ======================================================================================
-# ==== Run: parse, make the env, build the network, train, save ====
+# ==== Run: check the flags, make the env, build the program, train, save ====
 # ======================================================================================
 
 
@@ -714,6 +708,24 @@ def run_metric_names(env: Any, env_params: Any) -> tuple[str, ...]:
     return METRIC_NAMES + envs.env_metric_names(envs.env_info_names(env, env_params))
 
 
+OBS_STATS_FILE = "obs_stats.msgpack"  # a --norm-obs run's final observation statistics
+
+
+def run(args: Args) -> dict[str, Any]:
+    """Trains (or resumes from the newest checkpoint) and writes the run dir; returns its summary.
+    The session (ppo_support/sessions.py) writes nothing until the program has compiled."""
+    validate_args(args)
+    cpu.avoid_cpu_qr_deadlock()  # CPU settings, before JAX starts its backend
+    cpu.use_unrolled_threefry_on_cpu()
+    env, env_params = envs.make_env(args.env_id, args.sticky_action_prob, args.optimistic_reset_ratio)
+    mesh = devices.make_mesh(args)
+    session = sessions.Session(args, run_metric_names(env, env_params))  # checks --run-dir or --resume
+    init, train = make_train(args, env, env_params, mesh, session.video_recorder(env_params))
+    states = session.restore(devices.stack_seeds([init(args.seed + i) for i in range(args.num_seeds)]))
+    states, metrics = session.train(train, devices.place_on_mesh(states, mesh), mesh)
+    return session.finish(states, metrics, {OBS_STATS_FILE: states.obs_stats})  # and params.msgpack, summary.json
+
+
 def load_params(run_dir: str | Path) -> tuple[Args, Any]:
     """The run's Args and the final parameters of every seed (leading seed axis), from RUN_DIR alone."""
 
@@ -725,9 +737,6 @@ def load_params(run_dir: str | Path) -> tuple[Args, Any]:
     return rundir.load_params(Path(run_dir), Args, one_seed)
 
 
-OBS_STATS_FILE = "obs_stats.msgpack"  # a --norm-obs run's final observation statistics
-
-
 def load_obs_stats(run_dir: str | Path) -> RunningMeanStd:
     """The final --norm-obs statistics of every seed (leading seed axis), from RUN_DIR alone;
     the policy in params.msgpack sees normalize_obs(stats, obs)."""
@@ -735,115 +744,6 @@ def load_obs_stats(run_dir: str | Path) -> RunningMeanStd:
     env, env_params = envs.make_env(args.env_id)
     template = devices.stack_seeds([running_mean_std(env.observation_space(env_params).shape)] * args.num_seeds)
     return rundir.read_msgpack(Path(run_dir) / OBS_STATS_FILE, template)
-
-
-def run(args: Args) -> dict[str, Any]:
-    """Validates, trains (or resumes), and writes the run dir. Returns the summary."""
-    validate_args(args)
-    cpu.avoid_cpu_qr_deadlock()
-    cpu.use_unrolled_threefry_on_cpu()
-    env, env_params = envs.make_env(args.env_id, args.sticky_action_prob, args.optimistic_reset_ratio)
-    mesh = devices.make_mesh(args)
-    metric_names = run_metric_names(env, env_params)
-    if args.resume:
-        run_dir, checkpointer = rundir.prepare_resume(args, metric_names)
-    else:
-        run_dir = Path(args.run_dir) if args.run_dir else rundir.default_run_dir(args)
-        if (run_dir / "metrics.jsonl").exists():
-            raise cli.ConfigError(f"--run-dir {run_dir} already holds a run; choose another folder, or --resume it")
-        checkpointer = rundir.Checkpointer(run_dir, args.keep_checkpoints)
-
-    start = time.perf_counter()
-    logger = logs.MetricsLogger(args, run_dir, metric_names + evaluation.eval_metric_names(args))
-    video_recorder = videos.make_video_recorder(args, env_params, run_dir, logger)  # None without --capture-video
-    init, train = make_train(args, env, env_params, mesh, video_recorder)
-    states = devices.stack_seeds([init(args.seed + i) for i in range(args.num_seeds)])
-    start_cycle = 0
-    if args.resume:
-        states, start_cycle = checkpointer.load(states)
-    states = devices.place_on_mesh(states, mesh)
-    train_jit = jax.jit(lambda states: train(states, logger, checkpointer, start_cycle), donate_argnums=0)
-    compiled = train_jit.lower(states).compile()
-    compile_seconds = time.perf_counter() - start
-    num_devices = "" if mesh is None else f" on {mesh.size} devices"
-    print(f"compiled in {compile_seconds:.1f} s{num_devices}", flush=True)
-
-    # Nothing is written before this point: bad input and compile errors leave no run dir.
-    kept_rows = []
-    if args.resume:
-        kept_rows = rundir.keep_metrics_up_to(run_dir, start_cycle, metric_names)
-        checkpointer.drop_after(start_cycle)
-        print(f"resuming {run_dir} from cycle {start_cycle}", flush=True)
-    else:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        rundir.write_args(run_dir, args)
-    wandb_runs = logs.start_wandb_runs(args, run_dir) if args.track else []
-    print(f"run dir: {run_dir}  |  {args.num_cycles} cycles x {args.batch_size} env steps x {args.num_seeds} seeds", flush=True)
-
-    logger.start(start_cycle, wandb_runs)
-    logging.getLogger("jax._src.debugging").addFilter(rundir.without_write_error_tracebacks)
-    run_start = time.perf_counter()
-    try:
-        states, metrics = compiled(states)
-        jax.block_until_ready((states, metrics))
-    except jax.errors.JaxRuntimeError:
-        write_error = checkpointer.error or logger.error
-        if write_error is None:
-            raise
-        raise write_error from None
-    finally:
-        logger.close()
-    run_seconds = time.perf_counter() - run_start
-
-    episodic_return = np.full((args.num_cycles, args.num_seeds), np.nan)
-    seed_index = {args.seed + i: i for i in range(args.num_seeds)}
-    for row in kept_rows:
-        if row["charts/episodic_return"] is not None:
-            episodic_return[row["cycle"] - 1, seed_index[row["seed"]]] = row["charts/episodic_return"]
-    episodic_return[start_cycle:] = np.asarray(metrics["charts/episodic_return"])
-    returns = rundir.final_returns(args, episodic_return)
-    finite = [value for value in returns if value is not None]
-    eval_returns = rundir.final_eval_returns(args, metrics)
-    finite_eval = [value for value in eval_returns if value is not None]
-    failures = {
-        args.seed + i: {"cycle": int(cycle), "non_finite": nan_guard.NON_FINITE_CHECKS[int(check)]}
-        for i, (cycle, check) in enumerate(zip(np.asarray(states.non_finite_cycle), np.asarray(states.non_finite)))
-        if cycle > 0
-    }
-    summary = {
-        "sps": (args.num_cycles - start_cycle) * args.batch_size * args.num_seeds / run_seconds,
-        "compile_seconds": compile_seconds,
-        "train_seconds": run_seconds,
-        "total_seconds": time.perf_counter() - start,
-        "env_steps_per_seed": args.num_cycles * args.batch_size,
-        "num_seeds": args.num_seeds,
-        "resumed_from_cycle": start_cycle,
-        "final_episodic_return": float(np.mean(finite)) if finite else None,
-        "final_episodic_return_per_seed": returns,
-        "final_eval_return": float(np.mean(finite_eval)) if finite_eval else None,  # --eval-every-cycles
-        "final_eval_return_per_seed": eval_returns,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux: KiB
-        "peak_device_memory_mb": devices.peak_device_memory_mb(),
-        "failures": failures,
-    }
-    (run_dir / "params.msgpack").write_bytes(flax.serialization.to_bytes(states.params))
-    if states.obs_stats is not None:  # --norm-obs: the policy needs them too (load_obs_stats)
-        (run_dir / OBS_STATS_FILE).write_bytes(flax.serialization.to_bytes(states.obs_stats))
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    logs.finish_wandb_runs(args, wandb_runs, summary)
-    print(
-        f"done: {summary['sps']:,.0f} env steps/s, compile {compile_seconds:.1f} s, "
-        f"final return {logs.fmt(summary['final_episodic_return'])}"
-        + (f", final eval return {logs.fmt(summary['final_eval_return'])}" if args.eval_every_cycles else ""),
-        flush=True,
-    )
-    for seed, failure in failures.items():
-        print(
-            f"error: seed {seed}: non-finite {failure['non_finite']} at cycle {failure['cycle']}; no update was "
-            f"applied from then on. {run_dir}/params.msgpack holds its last good parameters.",
-            file=sys.stderr,
-        )
-    return summary
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ imports a script.
     logs        metrics rows out of the jit: metrics.jsonl, the console line, wandb
     nan_guard   a seed whose update is not finite keeps its last good parameters
     rundir      the run dir: args.json, checkpoints, resume, params and summary
+    sessions    one training session: the run dir opened, the program compiled, trained, saved
     videos      GIFs of evaluation episodes
 """
 

@@ -1,0 +1,150 @@
+"""One training session of a script, around its compiled train loop: the run dir is opened (new,
+or resumed from its newest valid checkpoint), the program is compiled, then trained with its host
+callbacks (metrics.jsonl, the console, wandb, checkpoints, videos), and the results are written
+(params.msgpack, summary.json). Bad input and compile errors leave nothing written."""
+
+from __future__ import annotations
+
+import json
+import logging
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import flax.serialization
+import jax
+import numpy as np
+
+from . import devices, evaluation, logs, nan_guard, rundir, videos
+from .errors import ConfigError
+
+
+class Session:
+    """Created before anything is compiled: checks --run-dir or --resume (and reads the checkpoint
+    to resume), and makes the metrics logger; nothing is written yet."""
+
+    def __init__(self, args: Any, metric_names: tuple[str, ...]):
+        self.args = args
+        self.start_time = time.perf_counter()
+        self.resumable_names = metric_names  # what every row of a resumed run's metrics.jsonl holds
+        if args.resume:
+            self.path, self.checkpointer = rundir.prepare_resume(args, metric_names)
+        else:
+            self.path = Path(args.run_dir) if args.run_dir else rundir.default_run_dir(args)
+            if (self.path / "metrics.jsonl").exists():
+                raise ConfigError(f"--run-dir {self.path} already holds a run; choose another folder, or --resume it")
+            self.checkpointer = rundir.Checkpointer(self.path, args.keep_checkpoints)
+        self.logger = logs.MetricsLogger(args, self.path, metric_names + evaluation.eval_metric_names(args))
+        self.start_cycle = 0
+        self.kept_rows: list[dict[str, Any]] = []  # a resumed run's rows up to its checkpoint
+        self.wandb_runs: list[Any] = []
+        self.compile_seconds = self.train_seconds = 0.0
+
+    def video_recorder(self, env_params: Any) -> videos.VideoRecorder | None:
+        """The video callback (--capture-video), or None."""
+        return videos.make_video_recorder(self.args, env_params, self.path, self.logger)
+
+    def restore(self, states: Any) -> Any:
+        """With --resume, the checkpoint's states in place of the freshly initialised `states`."""
+        if self.args.resume:
+            states, self.start_cycle = self.checkpointer.load(states)
+        return states
+
+    def train(self, train: Callable, states: Any, mesh: jax.sharding.Mesh | None = None) -> tuple[Any, dict[str, Any]]:
+        """Compiles train(states, log_fn, checkpoint_fn, start_cycle) (the script's make_train),
+        then writes args.json (or, resumed, drops what came after the checkpoint), starts wandb
+        and runs it. Returns the final states and the metrics of the cycles run."""
+        program = jax.jit(lambda states: train(states, self.logger, self.checkpointer, self.start_cycle), donate_argnums=0)
+        compiled = program.lower(states).compile()
+        self.compile_seconds = time.perf_counter() - self.start_time
+        print(f"compiled in {self.compile_seconds:.1f} s{'' if mesh is None else f' on {mesh.size} devices'}", flush=True)
+        self.start_writing()
+        self.logger.start(self.start_cycle, self.wandb_runs)
+        logging.getLogger("jax._src.debugging").addFilter(rundir.without_write_error_tracebacks)
+        train_start = time.perf_counter()
+        try:
+            states, metrics = compiled(states)
+            jax.block_until_ready((states, metrics))
+        except jax.errors.JaxRuntimeError:
+            write_error = self.checkpointer.error or self.logger.error
+            if write_error is None:
+                raise
+            raise write_error from None
+        finally:
+            self.logger.close()
+        self.train_seconds = time.perf_counter() - train_start
+        return states, metrics
+
+    def start_writing(self) -> None:
+        """Once compiled: the first writes to the run dir, and the wandb runs."""
+        args = self.args
+        if args.resume:
+            self.kept_rows = rundir.keep_metrics_up_to(self.path, self.start_cycle, self.resumable_names)
+            self.checkpointer.drop_after(self.start_cycle)
+            print(f"resuming {self.path} from cycle {self.start_cycle}", flush=True)
+        else:
+            self.path.mkdir(parents=True, exist_ok=True)
+            rundir.write_args(self.path, args)
+        self.wandb_runs = logs.start_wandb_runs(args, self.path) if args.track else []
+        print(f"run dir: {self.path}  |  {args.num_cycles} cycles x {args.batch_size} env steps x {args.num_seeds} seeds",
+              flush=True)
+
+    def finish(self, states: Any, metrics: dict[str, Any], more_results: dict[str, Any] | None = None) -> dict[str, Any]:
+        """Writes params.msgpack, each of `more_results` that is not None (file name: tree), and
+        summary.json; finishes wandb; reports every failed seed on stderr. Returns the summary."""
+        summary = self.summary(states, metrics)
+        (self.path / "params.msgpack").write_bytes(flax.serialization.to_bytes(states.params))
+        for name, tree in (more_results or {}).items():
+            if tree is not None:
+                (self.path / name).write_bytes(flax.serialization.to_bytes(tree))
+        (self.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        logs.finish_wandb_runs(self.args, self.wandb_runs, summary)
+        print(
+            f"done: {summary['sps']:,.0f} env steps/s, compile {self.compile_seconds:.1f} s, "
+            f"final return {logs.fmt(summary['final_episodic_return'])}"
+            + (f", final eval return {logs.fmt(summary['final_eval_return'])}" if self.args.eval_every_cycles else ""),
+            flush=True,
+        )
+        for seed, failure in summary["failures"].items():
+            print(
+                f"error: seed {seed}: non-finite {failure['non_finite']} at cycle {failure['cycle']}; no update was "
+                f"applied from then on. {self.path}/params.msgpack holds its last good parameters.",
+                file=sys.stderr,
+            )
+        return summary
+
+    def summary(self, states: Any, metrics: dict[str, Any]) -> dict[str, Any]:
+        """summary.json: speed, the final returns (the last 10% of cycles, a resumed run's earlier
+        rows included), the final evaluation, memory, and the seeds the NaN guard stopped."""
+        args = self.args
+        episodic_return = np.full((args.num_cycles, args.num_seeds), np.nan)
+        seed_index = {args.seed + i: i for i in range(args.num_seeds)}
+        for row in self.kept_rows:
+            if row["charts/episodic_return"] is not None:
+                episodic_return[row["cycle"] - 1, seed_index[row["seed"]]] = row["charts/episodic_return"]
+        episodic_return[self.start_cycle:] = np.asarray(metrics["charts/episodic_return"])
+        returns = rundir.final_returns(args, episodic_return)
+        eval_returns = rundir.final_eval_returns(args, metrics)
+        return {
+            "sps": (args.num_cycles - self.start_cycle) * args.batch_size * args.num_seeds / self.train_seconds,
+            "compile_seconds": self.compile_seconds,
+            "train_seconds": self.train_seconds,
+            "total_seconds": time.perf_counter() - self.start_time,
+            "env_steps_per_seed": args.num_cycles * args.batch_size,
+            "num_seeds": args.num_seeds,
+            "resumed_from_cycle": self.start_cycle,
+            "final_episodic_return": mean_or_none(returns),
+            "final_episodic_return_per_seed": returns,
+            "final_eval_return": mean_or_none(eval_returns),  # --eval-every-cycles
+            "final_eval_return_per_seed": eval_returns,
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux: KiB
+            "peak_device_memory_mb": devices.peak_device_memory_mb(),
+            "failures": nan_guard.failures(states, args.seed),
+        }
+
+
+def mean_or_none(values: list[float | None]) -> float | None:
+    finite = [value for value in values if value is not None]
+    return float(np.mean(finite)) if finite else None
