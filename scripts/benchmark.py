@@ -4,13 +4,20 @@
     python scripts/benchmark.py --script ppo_mlp.py --configs cartpole --repeats 3
     python scripts/benchmark.py --script ppo_lstm_impala.py --out bench.md
     python scripts/benchmark.py --script ppo_lstm_impala.py --configs gpu --out gpu.md   # on a GPU
+    python scripts/benchmark.py --script ppo_mlp.py --configs cartpole --repeats 5 --against ../old   # A/B
 
 Each run is a separate process (so compile caches and memory do not leak between runs) and
 reports what the script itself wrote in summary.json: env steps/s over all seeds after
 compilation, compile seconds, final return, peak resident memory and peak accelerator memory
 (none on CPU), and what one seed's default run (--num-total-env-steps) would take at that rate,
 compile included. `--configs gpu` is the set prepared for a GPU: the LSTM defaults with 1 and 8
-seeds and 1 seed x 2048 envs. Timings are not asserted anywhere: this is for the README.
+seeds and 1 seed x 2048 envs. Timings are not asserted anywhere: this is for docs/performance.md.
+
+--against DIR compares this checkout with another one (e.g. `git worktree add ../old COMMIT`):
+each of --repeats rounds runs the config with DIR's script and with this one, in turn, the order
+turning each round, and the table gives the median env steps/s of each, the median of the
+per-round ratios (this / DIR) and the lowest and highest round: this VM's speed drifts over
+minutes, so only ratios taken within a round can tell a few percent apart.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import argparse
 import datetime
 import json
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -64,9 +72,9 @@ CPU_CONFIGS = {
 }
 
 
-def run_config(script: str, flags: list[str], run_dir: Path, extra_flags: list[str] = ()) -> dict:
-    """Runs one training process; returns its summary.json, or raises with its stderr."""
-    command = [sys.executable, str(ROOT / script), *flags, *extra_flags, "--run-dir", str(run_dir)]
+def run_config(script: str, flags: list[str], run_dir: Path, extra_flags: list[str] = (), root: Path = ROOT) -> dict:
+    """Runs one training process of `root`'s script; returns its summary.json, or raises with its stderr."""
+    command = [sys.executable, str(root / script), *flags, *extra_flags, "--run-dir", str(run_dir)]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
@@ -80,11 +88,52 @@ def machine_description() -> str:
     return f"{platform.node()} | {platform.processor() or platform.machine()} | {len(devices)} x {devices[0].device_kind} | jax {jax.__version__}"
 
 
+def best_row(script: str, name: str, flags: list[str], repeats: int) -> str:
+    """The markdown row of a config's best of `repeats` runs."""
+    summaries = []
+    for _ in range(repeats):
+        with tempfile.TemporaryDirectory() as folder:
+            summaries.append(run_config(script, flags, Path(folder) / "run"))
+    best = max(summaries, key=lambda summary: summary["sps"])
+    final, device_mb = best["final_episodic_return"], best.get("peak_device_memory_mb")
+    per_seed_sps = best["sps"] / best["num_seeds"]
+    default_run_hours = (best["compile_seconds"] + DEFAULT_RUN_ENV_STEPS[script] / per_seed_sps) / 3600
+    return (
+        f"| {name} | `{' '.join(flags) or '(defaults)'}` | {best['sps']:,.0f} | {best['compile_seconds']:.1f} | "
+        f"{'-' if final is None else f'{final:.1f}'} | {best['peak_rss_mb']:.0f} | "
+        f"{'-' if device_mb is None else f'{device_mb:,.0f}'} | {default_run_hours:.2f} h |"
+    )
+
+
+def against_row(script: str, name: str, flags: list[str], repeats: int, other: Path) -> str:
+    """The markdown row of a config run `repeats` rounds, this checkout and `other` in turn."""
+    speeds: dict[str, list[float]] = {"this": [], "other": []}
+    compiles: dict[str, list[float]] = {"this": [], "other": []}
+    roots = [("this", ROOT), ("other", other)]
+    for round_ in range(repeats):
+        for label, root in roots[round_ % 2:] + roots[: round_ % 2]:  # the order turns each round
+            with tempfile.TemporaryDirectory() as folder:
+                summary = run_config(script, flags, Path(folder) / "run", root=root)
+            speeds[label].append(summary["sps"])
+            compiles[label].append(summary["compile_seconds"])
+        print(f"{name} round {round_ + 1}: this {speeds['this'][-1]:,.0f}, other {speeds['other'][-1]:,.0f} env steps/s",
+              file=sys.stderr, flush=True)
+    ratios = [this / other for this, other in zip(speeds["this"], speeds["other"])]
+    median = {label: statistics.median(values) for label, values in speeds.items()}
+    return (
+        f"| {name} | `{' '.join(flags) or '(defaults)'}` | {median['this']:,.0f} | {median['other']:,.0f} | "
+        f"{statistics.median(ratios):.3f}x | {min(ratios):.3f}x-{max(ratios):.3f}x | "
+        f"{statistics.median(compiles['this']):.1f} / {statistics.median(compiles['other']):.1f} |"
+    )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--script", required=True, choices=sorted(CONFIGS))
     parser.add_argument("--configs", nargs="+", help="names of configs, or `gpu` for the GPU set (default: the CPU set)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per config; the table shows the best SPS")
+    parser.add_argument("--against", type=Path, metavar="DIR",
+                        help="another checkout: alternate rounds of its script and this one's, and compare")
     parser.add_argument("--out", type=Path, help="also write the markdown table here")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="flags passed to every run, after --")
     options = parser.parse_args()
@@ -96,30 +145,30 @@ def main() -> int:
         parser.error(f"--configs: unknown {unknown}; choose from {sorted(CONFIGS[options.script])}")
     if options.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if options.against is not None and not (options.against / options.script).is_file():
+        parser.error(f"--against {options.against}: no {options.script} there")
     extra = [flag for flag in options.extra if flag != "--"]
 
-    lines = [
-        f"`{options.script}` on {machine_description()}, {datetime.date.today().isoformat()}",
-        "",
-        f"| config | flags | env steps/s (all seeds) | compile s | final return | peak RSS MB | peak device MB | "
-        f"one seed's {DEFAULT_RUN_ENV_STEPS[options.script]:,} env steps at this rate |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    command = " ".join(["python scripts/benchmark.py", *sys.argv[1:]])
+    lines = [f"`{options.script}` on {machine_description()}, {datetime.date.today().isoformat()}: `{command}`", ""]
+    if options.against is None:
+        lines += [
+            f"| config | flags | env steps/s (all seeds) | compile s | final return | peak RSS MB | peak device MB | "
+            f"one seed's {DEFAULT_RUN_ENV_STEPS[options.script]:,} env steps at this rate |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+    else:
+        lines += [
+            f"| config | flags | this checkout, median env steps/s | {options.against}, median env steps/s | "
+            "this / that (median of rounds) | lowest-highest round | compile s (this / that) |",
+            "|---|---|---|---|---|---|---|",
+        ]
     for name in names:
         flags = CONFIGS[options.script][name] + extra
-        summaries = []
-        for _ in range(options.repeats):
-            with tempfile.TemporaryDirectory() as folder:
-                summaries.append(run_config(options.script, flags, Path(folder) / "run"))
-        best = max(summaries, key=lambda summary: summary["sps"])
-        final, device_mb = best["final_episodic_return"], best.get("peak_device_memory_mb")
-        per_seed_sps = best["sps"] / best["num_seeds"]
-        default_run_hours = (best["compile_seconds"] + DEFAULT_RUN_ENV_STEPS[options.script] / per_seed_sps) / 3600
-        lines.append(
-            f"| {name} | `{' '.join(flags) or '(defaults)'}` | {best['sps']:,.0f} | {best['compile_seconds']:.1f} | "
-            f"{'-' if final is None else f'{final:.1f}'} | {best['peak_rss_mb']:.0f} | "
-            f"{'-' if device_mb is None else f'{device_mb:,.0f}'} | {default_run_hours:.2f} h |"
-        )
+        if options.against is None:
+            lines.append(best_row(options.script, name, flags, options.repeats))
+        else:
+            lines.append(against_row(options.script, name, flags, options.repeats, options.against))
         print(lines[-1], flush=True)
     table = "\n".join(lines)
     print("\n" + table)

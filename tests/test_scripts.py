@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from helpers import ROOT, run_script
 
@@ -24,6 +26,25 @@ def test_benchmark_prints_a_markdown_row_per_config(tmp_path):
 def test_benchmark_rejects_an_unknown_config():
     result = run_script("scripts/benchmark.py", "--script", "ppo_mlp.py", "--configs", "nope", timeout=60)
     assert result.returncode == 2 and "--configs" in result.stderr
+    result = run_script("scripts/benchmark.py", "--script", "ppo_mlp.py", "--against", str(ROOT / "docs"), timeout=60)
+    assert result.returncode == 2 and "--against" in result.stderr
+
+
+def test_benchmark_against_another_checkout_alternates_rounds_and_gives_their_ratios(tmp_path):
+    """Here the other checkout is this one: the row has both medians, the median ratio and the
+    lowest and highest round's."""
+    out = tmp_path / "ab.md"
+    result = run_script(
+        "scripts/benchmark.py", "--script", "ppo_mlp.py", "--configs", "cartpole", "--repeats", "2", "--against", str(ROOT),
+        "--out", str(out), "--", "--num-total-env-steps", "2048", timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert [line.split(":")[0] for line in result.stderr.splitlines()] == ["cartpole round 1", "cartpole round 2"]
+    (row,) = [line for line in out.read_text().splitlines() if line.startswith("| cartpole")]
+    cells = [cell.strip() for cell in row.strip("|").split("|")]
+    assert len(cells) == 7 and re.fullmatch(r"\d+\.\d{3}x", cells[4]), row
+    low, high = (float(value.rstrip("x")) for value in cells[5].split("-"))
+    assert low <= float(cells[4].rstrip("x")) <= high
 
 
 # A stand-in for a PureJaxRL checkout: its ppo.py steps CartPole through `gymnax.make` expecting
