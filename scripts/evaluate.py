@@ -69,7 +69,8 @@ def evaluate(run_dir: Path, episodes: int, greedy: bool, seed: int, gif: Path | 
     module, args, states = load_policy(run_dir, script)
     args = dataclasses.replace(args, eval_episodes=episodes, eval_greedy=greedy)
     env, env_params = module.envs.make_env(args.env_id)
-    render = module.videos.frame_renderer(args.env_id, env_params) if gif is not None else None
+    videos = module.sessions.videos  # the script's own package's videos (its sessions records with them)
+    render = videos.frame_renderer(args.env_id, env_params) if gif is not None else None
     if gif is not None and render is None:
         raise UsageError(f"--gif: cannot draw {args.env_id}; supported: *-MinAtar, CartPole-v1, Acrobot-v1")
 
@@ -118,7 +119,7 @@ def evaluate(run_dir: Path, episodes: int, greedy: bool, seed: int, gif: Path | 
 
     if gif is not None:
         env_states, frames, done = jax.tree.map(np.asarray, video)
-        length = module.videos.write_gif(gif, env_states, frames, done, render)
+        length = videos.write_gif(gif, env_states, frames, done, render)
         print(f"wrote {gif} ({length} frames, seed {seeds[0]}, first episode)")
     return 0
 
