@@ -209,7 +209,7 @@ def craftax_env(env_id: str) -> tuple[SuiteEnv, Any]:
     """Craftax (Matthews et al. 2024), made without its auto-reset and reset here. Its `done`
     includes the time limit (params.max_timesteps: 10,000 steps in Classic, 100,000 in Craftax):
     here game over (death, lava, the final boss beaten) terminates and the limit truncates.
-    Generating a world costs about 40 steps: see --optimistic-reset-ratio in the README."""
+    Generating a world costs about 40 steps: see --optimistic-reset-ratio in docs/env-suites.md."""
     craftax = import_suite("craftax.craftax_env", env_id).make_craftax_env_from_name(env_id, auto_reset=False)
     env_params = craftax.default_params
 

@@ -101,7 +101,7 @@ CASES = [(script, argv, name) for script in ONLY for argv, name in COMMON + ONLY
 
 def test_the_fuzz_covers_at_least_30_bad_values_of_each_script():
     assert all(sum(script == case[0] for case in CASES) >= 30 for script in ONLY)
-    print(f"{len(CASES)} bad values")  # the count the README gives
+    print(f"{len(CASES)} bad values")  # the count docs/scaling.md gives
 
 
 @pytest.mark.parametrize("script, argv, name", CASES, ids=[f"{script}:{' '.join(argv)}" for script, argv, _ in CASES])
