@@ -57,7 +57,7 @@ class Args:
     num_epochs_per_cycle: int = 4  # passes over the rollout per cycle (K epochs)
     num_minibatches_per_epoch: int = 4  # minibatches each epoch is cut into
     lr: float = 2.5e-4  # Adam learning rate
-    anneal_lr: bool = True  # linearly to exactly 0 at the last update (optax counts applied updates only)
+    anneal_lr: bool = True  # linearly to exactly 0 at the run's last gradient step, counting those --target-kl skips
     adam_eps: float = 1e-5  # Adam epsilon (PyTorch's default is 1e-8; the PPO baselines use 1e-5)
     max_grad_norm: float = 0.5  # clip gradients to this global norm (37 details: 11)
 
@@ -190,6 +190,7 @@ class UpdateCarry(NamedTuple):
     non_finite: jax.Array  # NaN guard: 0, or the nan_guard.NON_FINITE_CHECKS index of the first non-finite value
     metric_sums: dict[str, jax.Array]  # over the minibatches applied
     num_applied: jax.Array  # minibatch updates applied
+    step_sizes: dict[str, jax.Array]  # charts/learning_rate and charts/clip_eps of the last update applied (NaN before)
 
 
 # --- Network -------------------------------------------------------------------------------
@@ -477,13 +478,14 @@ def annealed(value: float, anneal: bool, num_steps: int) -> optax.Schedule:
 
 
 def make_optimizer(args: Args) -> optax.GradientTransformation:
-    """Global-norm clipping of the whole gradient (37 details: 11), then Adam."""
-    learning_rate = annealed(args.lr, args.anneal_lr, args.num_gradient_steps)
-    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adam(learning_rate, eps=args.adam_eps))
+    """Global-norm clipping of the whole gradient (37 details: 11), then Adam's scaling. The
+    learning rate is applied in minibatch_update, from the nominal gradient step: Adam's own step
+    count skips the minibatches --target-kl stops, so its schedule would never reach 0."""
+    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.scale_by_adam(eps=args.adam_eps))
 
 
 def minibatch_update(
-    carry: UpdateCarry, minibatch: Batch, clip_eps: jax.Array, network: ActorCritic,
+    carry: UpdateCarry, minibatch: Batch, learning_rate: jax.Array, clip_eps: jax.Array, network: ActorCritic,
     optimizer: optax.GradientTransformation, args: Args, axis_name: str | None,
 ) -> UpdateCarry:
     """One gradient step, skipped once --target-kl is exceeded (measured before this step, on this
@@ -492,8 +494,8 @@ def minibatch_update(
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(carry.params, minibatch, clip_eps, network, args, axis_name)
     loss, metrics, grads = devices.mean_over_devices((loss, metrics, grads), axis_name)
     metrics["losses/grad_norm"] = optax.tree.norm(grads)  # before clipping
-    updates, opt_state = optimizer.update(grads, carry.opt_state, carry.params)
-    params = optax.apply_updates(carry.params, updates)
+    updates, opt_state = optimizer.update(grads, carry.opt_state, carry.params)  # clipped, scaled by Adam
+    params = optax.apply_updates(carry.params, jax.tree.map(lambda update: -learning_rate * update, updates))
 
     kl_stopped = carry.kl_stopped
     if args.target_kl is not None:  # 37 details: target-KL early stopping
@@ -503,7 +505,9 @@ def minibatch_update(
     non_finite = nan_guard.first_non_finite(carry.non_finite, loss, metrics["losses/grad_norm"])
     applied = ~kl_stopped & (non_finite == 0)
     metric_sums = jax.tree.map(lambda total, value: total + jnp.where(applied, value, 0.0), carry.metric_sums, metrics)
-    return UpdateCarry(params, opt_state, kl_stopped, non_finite, metric_sums, carry.num_applied + applied)
+    used = {"charts/learning_rate": learning_rate, "charts/clip_eps": clip_eps}
+    step_sizes = jax.tree.map(lambda value, last: jnp.where(applied, value, last), used, carry.step_sizes)
+    return UpdateCarry(params, opt_state, kl_stopped, non_finite, metric_sums, carry.num_applied + applied, step_sizes)
 
 
 def update_cycle(
@@ -512,9 +516,11 @@ def update_cycle(
 ) -> tuple[Any, Any, dict[str, jax.Array], jax.Array]:
     """K epochs of M minibatch updates on one rollout, each epoch on a fresh shuffle (keys are never
     reused); nothing is applied once `non_finite` is set. Returns the new params and optimizer
-    state, the metrics averaged over the minibatches applied, and the NaN guard's code."""
+    state, the metrics averaged over the minibatches applied (and the learning rate and clip range
+    the last of them used), and the NaN guard's code."""
     num_epochs, num_minibatches = args.num_epochs_per_cycle, args.num_minibatches_per_epoch
     batch_size = batch.action.shape[0]
+    lr_schedule = annealed(args.lr, args.anneal_lr, args.num_gradient_steps)
     clip_schedule = annealed(args.clip_eps, args.anneal_clip_eps, args.num_gradient_steps)
 
     def epoch(carry: UpdateCarry, epoch_input) -> tuple[UpdateCarry, None]:
@@ -527,17 +533,19 @@ def update_cycle(
         gradient_steps = first_step + jnp.arange(num_minibatches)
 
         def one_minibatch(carry, minibatch_input):
-            minibatch, gradient_step = minibatch_input
-            clip_eps = clip_schedule(gradient_step)
-            return minibatch_update(carry, minibatch, clip_eps, network, optimizer, args, axis_name), None
+            minibatch, gradient_step = minibatch_input  # nominal: the steps --target-kl skips count too
+            learning_rate, clip_eps = lr_schedule(gradient_step), clip_schedule(gradient_step)
+            return minibatch_update(carry, minibatch, learning_rate, clip_eps, network, optimizer, args, axis_name), None
 
         return jax.lax.scan(one_minibatch, carry, (minibatches, gradient_steps))[0], None
 
     metric_sums = {name: jnp.float32(0.0) for name in MINIBATCH_METRIC_NAMES}
-    carry = UpdateCarry(params, opt_state, jnp.bool_(False), non_finite, metric_sums, num_applied=jnp.float32(0.0))
+    step_sizes = {"charts/learning_rate": jnp.float32(jnp.nan), "charts/clip_eps": jnp.float32(jnp.nan)}
+    carry = UpdateCarry(params, opt_state, jnp.bool_(False), non_finite, metric_sums, jnp.float32(0.0), step_sizes)
     carry, _ = jax.lax.scan(epoch, carry, (jax.random.split(key, num_epochs), jnp.arange(num_epochs)))
     metrics = {name: total / jnp.maximum(carry.num_applied, 1.0) for name, total in carry.metric_sums.items()}
     metrics["losses/epochs_run"] = carry.num_applied / num_minibatches
+    metrics.update(carry.step_sizes)
     return carry.params, carry.opt_state, metrics, carry.non_finite
 
 
@@ -598,12 +606,9 @@ def train_cycle(
         state.params, state.opt_state, batch, update_key, state.cycle, state.non_finite, network, optimizer, args, axis_name
     )
 
-    last_step = (state.cycle + 1) * args.num_epochs_per_cycle * args.num_minibatches_per_epoch - 1
     for name, values in finished.items():  # return, length, env/<name>: over the episodes that ended
         metrics[name] = devices.nanmean_or_nan(values, axis_name)
     metrics.update(envs.craftax_score(metrics))  # env/score, from the env/achievement_* rates (Craftax only)
-    metrics["charts/learning_rate"] = jnp.float32(annealed(args.lr, args.anneal_lr, args.num_gradient_steps)(last_step))
-    metrics["charts/clip_eps"] = jnp.float32(annealed(args.clip_eps, args.anneal_clip_eps, args.num_gradient_steps)(last_step))
     metrics["losses/explained_variance"] = explained_variance(batch.value, batch.target, axis_name)
     new_state = nan_guard.guard_non_finite(state, params, opt_state, non_finite)._replace(env=env_carry, key=key, cycle=state.cycle + 1)
     return new_state._replace(obs_stats=obs_stats, reward_stats=reward_stats), metrics
