@@ -1,4 +1,5 @@
-"""What several test files share: running a script in a subprocess.
+"""What several test files share: running a script in a subprocess, reading an offline wandb
+run, and reading out the values a jitted train loop used (record_calls, learning_rate_used).
 
 Not a test module: the test files import it (conftest.py puts this folder on sys.path).
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,3 +66,43 @@ def read_wandb_offline_run(folder: str | Path) -> dict:
         elif kind == "summary":
             run["summary"].update(items(record.summary.update))
     return run
+
+
+def record_calls(monkeypatch, module: Any, name: str, pick: Callable[[tuple, Any], Any]) -> list:
+    """Wraps `module.<name>` so that every call of it inside a jitted program sends
+    pick(positional arguments, result) to the host as it runs: the values the algorithm used,
+    read out without changing the script. Applies to programs traced afterwards. Returns the
+    list the records (numpy pytrees) are appended to, in the order the calls ran."""
+    import jax
+    import numpy as np
+
+    records = []
+    original = getattr(module, name)
+
+    def recording(*args, **kwargs):
+        result = original(*args, **kwargs)
+        values = pick(args, result)
+        jax.debug.callback(lambda values: records.append(jax.tree.map(np.asarray, values)), values, ordered=True)
+        return result
+
+    monkeypatch.setattr(module, name, recording)
+    return records
+
+
+def learning_rate_used(params_before: Any, params_after: Any, grads: Any, opt_state: Any, max_grad_norm: float, adam_eps: float) -> float:
+    """The learning rate a gradient step applied, measured from the parameters it moved: the
+    step (after - before) against the direction optax's own Adam gives for `grads`, clipped by
+    global norm, from the Adam state the step started from (found anywhere in `opt_state`); the
+    least-squares scalar, so it does not rely on how the script applies its learning rate."""
+    import jax
+    import numpy as np
+    import optax
+
+    is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
+    (adam_state,) = [x for x in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(x)]
+    clipped, _ = optax.clip_by_global_norm(max_grad_norm).update(grads, optax.EmptyState())
+    direction, _ = optax.scale_by_adam(eps=adam_eps).update(clipped, adam_state)
+    flat = lambda tree: np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])  # noqa: E731
+    step = flat(params_after) - flat(params_before)
+    direction = flat(direction)
+    return float(-(step @ direction) / (direction @ direction))

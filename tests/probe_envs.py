@@ -12,6 +12,9 @@ this folder on the Python path). Every probe comes in a vector form (obs shape (
   (the env has an `action_mask` method). With masking the best return is 0.5.
 - TimeLimit: reward 1 every step, never terminates, truncated after 5 steps. With truncation
   bootstrapping V = 1 / (1 - gamma) everywhere; without it the value is much lower.
+- Clock: reward 1 every step; the observation is the time step / 5, so the observation a time
+  limit ends on (1.0) is never the reset's (0.0). Truncated after 5 steps, and terminated by
+  action 1 from step 3 on: a rollout has both kinds of episode end.
 - Memory: a cue (one of NUM_CUES channels) is shown once, then DELAY blank frames, then a query
   frame; naming the cue at the query pays 1, anything else 0. Only a policy with memory beats
   chance (1 / NUM_CUES).
@@ -113,6 +116,20 @@ class TimeLimit(_Probe):
         return jnp.bool_(False)
 
 
+class Clock(_Probe):
+    max_steps = 5
+
+    def obs(self, state):
+        return jnp.full(self.obs_shape, state.time / self.max_steps, jnp.float32)
+
+    def reward(self, state, action):
+        return jnp.float32(1.0)
+
+    def step_env(self, key, state, action, params):
+        obs, new_state, reward, _, info = super().step_env(key, state, action, params)
+        return obs, new_state, reward, (action == 1) & (new_state.time >= 3), info
+
+
 class Memory(_Probe):
     """value = cue index (0 .. NUM_CUES - 1); time counts the frames already shown."""
 
@@ -155,6 +172,10 @@ class ActionDependentRewardImage(ActionDependentReward):
 
 
 class TimeLimitImage(TimeLimit):
+    obs_shape = (3, 3, 1)
+
+
+class ClockImage(Clock):
     obs_shape = (3, 3, 1)
 
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import run_script
+from helpers import record_calls, run_script
 from reference import gae_reference, ppo_loss_reference
 
 import ppo_lstm_impala as ppo
@@ -282,6 +282,49 @@ def test_next_value_uses_pre_reset_carry(tmp_path, lstm_training):
             assert abs(float(next_value[t, n]) - float(reset_value[0, 0])) > 1e-4
             checked += 1
     assert checked > 0
+
+
+# ======================================================================================
+# The value targets the update used (its learning rate, clip range and metrics: test_update_values.py)
+# ======================================================================================
+
+@pytest.mark.parametrize("lstm_training, bootstrap_truncated", [("bptt", True), ("bptt", False), ("stored", True)])
+def test_the_value_targets_the_update_used_match_a_python_loop_gae(monkeypatch, lstm_training, bootstrap_truncated):
+    """The second cycle's batch, as update_cycle received it, against gae_reference over values
+    from a step-by-step rerun of the rollout: from the carry the cycle started with (not zero:
+    Clock's 5-step episodes end mid-rollout), reset at episode starts, and V(final_obs) from the
+    carry after obs[t] (a time limit ends on observation 1.0, the reset shows 0.0), or no
+    bootstrap at all without --bootstrap-truncated."""
+    args = ppo.Args(**TINY, env_id="probe_envs:ClockImage", num_parallel_envs=8, num_env_steps_per_cycle=8, num_total_env_steps=128,
+                    num_minibatches_per_epoch=2, num_epochs_per_cycle=1, gamma=0.9, gae_lambda=0.8, lstm_training=lstm_training,
+                    bootstrap_truncated=bootstrap_truncated)
+    env, env_params = envs.make_env(args.env_id)
+    network, optimizer = ppo.make_network(args, 2), ppo.make_optimizer(args)
+    rollouts = record_calls(monkeypatch, ppo, "collect_rollout", lambda a, out: out[1])
+    updates = record_calls(monkeypatch, ppo, "update_cycle", lambda a, out: dict(params=a[0], batch=a[2]))
+    init, _ = ppo.make_train(args, env, env_params)
+    cycle = jax.jit(lambda state: ppo.train_cycle(state, network, optimizer, env, env_params, args)[0])
+    state = cycle(init(args.seed))
+    cycle(state)
+    transitions, used = rollouts[1], updates[1]
+    assert transitions.truncated.any() and transitions.terminated.any()
+    first_carry = np.asarray(state.env.lstm_carry)
+    assert np.abs(first_carry[~np.asarray(state.env.episode_start)]).max() > 1e-3  # a carry to replay from
+
+    apply = jax.jit(network.apply)
+    num_steps, num_envs = transitions.reward.shape
+    value, next_value = np.zeros((num_steps, num_envs)), np.zeros((num_steps, num_envs))
+    carry = jnp.asarray(first_carry)
+    for t in range(num_steps):
+        carries, _, step_value = apply(used["params"], carry, transitions.obs[t][None], transitions.episode_start[t][None])
+        carry = carries[0]
+        _, _, final_value = apply(used["params"], carry, transitions.final_obs[t][None], np.zeros((1, num_envs), bool))
+        value[t], next_value[t] = step_value[0], final_value[0]
+    _, target = gae_reference(transitions.reward, value, next_value, transitions.terminated, transitions.truncated,
+                              args.gamma, args.gae_lambda, bootstrap_truncated)
+    batch = used["batch"]
+    np.testing.assert_allclose(batch.value.reshape(num_steps, num_envs), value, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(batch.target.reshape(num_steps, num_envs), target, rtol=1e-5, atol=1e-5)
 
 
 # ======================================================================================

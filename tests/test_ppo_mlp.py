@@ -15,7 +15,7 @@ import pytest
 
 import ppo_mlp
 import ppo_support
-from helpers import ROOT, read_wandb_offline_run, run_script
+from helpers import ROOT, read_wandb_offline_run, record_calls, run_script
 from reference import gae_reference, ppo_loss_reference
 from ppo_support import devices, envs, rundir
 
@@ -204,6 +204,50 @@ def test_minibatch_permutation_differs_across_epochs_and_cycles(monkeypatch):
         np.testing.assert_array_equal(np.sort(permutation), np.arange(args.batch_size))
     distinct = {tuple(p) for p in recorded}
     assert len(distinct) == len(recorded)
+
+
+# --------------------------------------------------------------------------------------
+# The value targets the update used (its learning rate, clip range and metrics: test_update_values.py)
+# --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("norm_obs, bootstrap_truncated", [(True, True), (False, False)])
+def test_the_value_targets_the_update_used_match_a_python_loop_gae(monkeypatch, norm_obs, bootstrap_truncated):
+    # The second cycle's batch, as update_cycle received it, against gae_reference over V of the
+    # rollout's observations normalised with the statistics frozen at the cycle's start (not the
+    # ones updated from this rollout), a truncated step bootstrapping from V(final_obs) (Clock:
+    # a time limit ends on observation 1.0, the reset shows 0.0), or not at all without
+    # --bootstrap-truncated.
+    args = ppo_mlp.Args(env_id="probe_envs:Clock", num_parallel_envs=8, num_env_steps_per_cycle=8, num_total_env_steps=128,
+                        num_minibatches_per_epoch=2, num_epochs_per_cycle=1, gamma=0.9, gae_lambda=0.8, norm_obs=norm_obs,
+                        bootstrap_truncated=bootstrap_truncated)
+    env, env_params = envs.make_env(args.env_id)
+    network, optimizer = ppo_mlp.make_network(args, 2), ppo_mlp.make_optimizer(args)
+    rollouts = record_calls(monkeypatch, ppo_mlp, "collect_rollout", lambda a, out: out[1])
+    updates = record_calls(monkeypatch, ppo_mlp, "update_cycle", lambda a, out: dict(params=a[0], batch=a[2]))
+    init, _ = ppo_mlp.make_train(args, env, env_params)
+    cycle = jax.jit(lambda state: ppo_mlp.train_cycle(state, network, optimizer, env, env_params, args)[0])
+    state = cycle(init(args.seed))
+    cycle(state)
+    transitions, used = rollouts[1], updates[1]
+    assert transitions.truncated.any() and transitions.terminated.any()
+
+    def normalized(obs):
+        if state.obs_stats is None:
+            return obs
+        stats = jax.tree.map(np.asarray, state.obs_stats)
+        return np.clip((obs - stats.mean) / np.sqrt(stats.var + 1e-8), -10.0, 10.0)
+
+    def value_of(obs):  # the network takes a flat batch (it flattens each observation)
+        flat = normalized(obs).reshape(-1, *obs.shape[2:])
+        return np.asarray(network.apply(used["params"], jnp.asarray(flat))[1]).reshape(obs.shape[:2])
+
+    value, next_value = value_of(transitions.obs), value_of(transitions.final_obs)  # (T, N)
+    _, target = gae_reference(transitions.reward, value, next_value, transitions.terminated, transitions.truncated,
+                              args.gamma, args.gae_lambda, bootstrap_truncated)
+    batch = used["batch"]
+    np.testing.assert_allclose(batch.obs, normalized(transitions.obs).reshape(batch.obs.shape), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(batch.value, value.reshape(-1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(batch.target, target.reshape(-1), rtol=1e-5, atol=1e-5)
 
 
 # --------------------------------------------------------------------------------------
