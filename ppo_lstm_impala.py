@@ -361,8 +361,8 @@ class Core(nn.Module):
         else:
             features = ImpalaTorso(self.impala_channels, self.torso_size, self.orthogonal_init)(flat_obs)
         features = features.reshape(num_steps, num_sequences, -1)  # the torso runs batched over T
-        if self.lstm_size == 0:  # IMPALA-FF: an empty carry
-            return jnp.zeros((num_steps, num_sequences, 0), jnp.float32), features
+        if self.lstm_size == 0:  # IMPALA-FF: an empty carry, made from the input one so that it keeps
+            return jnp.broadcast_to(carry, (num_steps, *carry.shape)), features  # its type under shard_map
         scanned_lstm = nn.scan(ResettingLSTM, variable_broadcast="params", split_rngs={"params": False})
         _, (carries, features) = scanned_lstm(self.lstm_size, self.orthogonal_init)(carry, (features, episode_start))
         return carries, features
@@ -694,7 +694,8 @@ def minibatch_update(
     """One gradient step, skipped once --target-kl is exceeded (measured before this step, on this
     minibatch). A non-finite loss or gradient is recorded in `non_finite`; the NaN guard then undoes
     the whole cycle. Under shard_map the gradients, loss and metrics are averaged over devices."""
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(carry.params, minibatch, clip_eps, network, args, axis_name)
+    own_params = devices.varying(carry.params, axis_name)  # each device's gradient, not their sum: see devices.varying
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(own_params, minibatch, clip_eps, network, args, axis_name)
     loss, metrics, grads = devices.mean_over_devices((loss, metrics, grads), axis_name)
     metrics["losses/grad_norm"] = optax.tree.norm(grads)  # before clipping
     updates, opt_state = optimizer.update(grads, carry.opt_state, carry.params)  # clipped, scaled by Adam

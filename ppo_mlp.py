@@ -491,7 +491,8 @@ def minibatch_update(
     """One gradient step, skipped once --target-kl is exceeded (measured before this step, on this
     minibatch). A non-finite loss or gradient is recorded in `non_finite`; the NaN guard then undoes
     the whole cycle. Under shard_map the gradients, loss and metrics are averaged over devices."""
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(carry.params, minibatch, clip_eps, network, args, axis_name)
+    own_params = devices.varying(carry.params, axis_name)  # each device's gradient, not their sum: see devices.varying
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(own_params, minibatch, clip_eps, network, args, axis_name)
     loss, metrics, grads = devices.mean_over_devices((loss, metrics, grads), axis_name)
     metrics["losses/grad_norm"] = optax.tree.norm(grads)  # before clipping
     updates, opt_state = optimizer.update(grads, carry.opt_state, carry.params)  # clipped, scaled by Adam

@@ -21,6 +21,14 @@ def mean_over_devices(x: Any, axis_name: str | None) -> Any:
     return x if axis_name is None else jax.lax.pmean(x, axis_name)
 
 
+def varying(params: Any, axis_name: str | None) -> Any:
+    """Params to take the gradient at, under shard_map: each device's own copy. The gradient of
+    replicated params comes back already summed over devices (differentiating shard_map's
+    implicit broadcast inserts a psum), so mean_over_devices would then average a sum: D times
+    the gradient on D devices. At varying params it is this device's own gradient."""
+    return params if axis_name is None else jax.lax.pcast(params, axis_name, to="varying")
+
+
 def sum_over_devices(x: Any, axis_name: str | None) -> Any:
     return x if axis_name is None else jax.lax.psum(x, axis_name)
 
