@@ -15,6 +15,9 @@ this folder on the Python path). Every probe comes in a vector form (obs shape (
 - Clock: reward 1 every step; the observation is the time step / 5, so the observation a time
   limit ends on (1.0) is never the reset's (0.0). Truncated after 5 steps, and terminated by
   action 1 from step 3 on: a rollout has both kinds of episode end.
+- MatchTheObservation: one-step episodes, obs is +1 or -1 at random; action 0 pays 1 on +1,
+  action 1 pays 1 on -1, anything else 0. A policy that ignores the observation gets 0.5; a
+  feed-forward network that reads it gets 1.
 - Memory: a cue (one of NUM_CUES channels) is shown once, then DELAY blank frames, then a query
   frame; naming the cue at the query pays 1, anything else 0. Only a policy with memory beats
   chance (1 / NUM_CUES).
@@ -94,6 +97,11 @@ class ActionDependentReward(_Probe):
         return jnp.where(action == 0, 1.0, -1.0).astype(jnp.float32)
 
 
+class MatchTheObservation(ObsDependentReward):
+    def reward(self, state, action):
+        return (action == jnp.where(state.value > 0, 0, 1)).astype(jnp.float32)
+
+
 class MaskedActions(_Probe):
     """Three actions paying 1, 0.5 and 0; action 0 is always invalid (see `action_mask`)."""
 
@@ -168,6 +176,10 @@ class ObsDependentRewardImage(ObsDependentReward):
 
 
 class ActionDependentRewardImage(ActionDependentReward):
+    obs_shape = (3, 3, 1)
+
+
+class MatchTheObservationImage(MatchTheObservation):
     obs_shape = (3, 3, 1)
 
 

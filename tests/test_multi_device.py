@@ -130,3 +130,57 @@ def test_lstm_envs_that_do_not_split_into_whole_sequences_per_device_are_refused
                                   script="ppo_lstm_impala.py")
     assert result.returncode == 2 and "--num-devices" in result.stderr
     assert not (tmp_path / "never").exists()
+
+
+# One update_cycle on one device and on two, in one process with 2 simulated devices: see
+# tests/two_devices.py. The ppo_lstm_impala.py configs are its three networks.
+UPDATE_CASES = [("ppo_mlp", "cartpole"), ("ppo_lstm_impala", "bptt"), ("ppo_lstm_impala", "stored"), ("ppo_lstm_impala", "feed-forward")]
+
+
+@pytest.mark.parametrize("script, config", UPDATE_CASES)
+def test_two_devices_update_as_one_device_does_on_the_same_global_batch(tmp_path, script, config):
+    """A real rollout's batch, updated with one minibatch per epoch and 2 epochs, on one device
+    and split in halves across two: the same parameters, losses/grad_norm and every other update
+    metric, up to float rounding. A gradient summed over devices instead of averaged doubles
+    grad_norm; advantages normalised per device change the gradient."""
+    out = tmp_path / "update.npz"
+    result = run_script("tests/two_devices.py", "update", script, config, str(out), timeout=600, env=TWO_CPU_DEVICES)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = np.load(out)
+    names = [name.removeprefix("one/") for name in results.files if name.startswith("one/")]
+    assert "losses/grad_norm" in names and sum(name.startswith("param") for name in names) >= 6
+    assert np.abs(results["before/grad_step"]).max() > 1e-3  # the update moved the parameters
+    for name in names:
+        np.testing.assert_allclose(results[f"two/{name}"], results[f"one/{name}"], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("script, config", [("ppo_mlp", "clock"), ("ppo_lstm_impala", "feed-forward")])
+def test_the_two_devices_halves_of_a_rollout_draw_different_random_numbers(tmp_path, script, config):
+    # Every env of the Clock probe resets to the same observation, so devices that drew the same
+    # sampling noise would take the same actions.
+    out = tmp_path / "rollout.npz"
+    result = run_script("tests/two_devices.py", "rollout", script, config, str(out), timeout=600, env=TWO_CPU_DEVICES)
+    assert result.returncode == 0, result.stderr[-3000:]
+    keys_and_actions = np.load(out)
+    assert sorted(keys_and_actions.files) == ["action0", "action1", "key0", "key1"]
+    assert not np.array_equal(keys_and_actions["key0"], keys_and_actions["key1"])
+    assert keys_and_actions["action0"].shape == keys_and_actions["action1"].shape == (16 if script == "ppo_mlp" else 8, 4)
+    assert not np.array_equal(keys_and_actions["action0"], keys_and_actions["action1"])
+
+
+def test_the_feed_forward_network_learns_on_two_devices_what_it_learns_on_one(tmp_path):
+    """--lstm-size 0 on a probe a feed-forward network solves from its observation (the image
+    memory probe would not show it: no feed-forward network beats chance there)."""
+    for num_devices in ["1", "2"]:
+        run_dir = tmp_path / num_devices
+        result = run_with_two_devices(
+            *TINY_LSTM[:-2], "--lstm-size", "0", "--env-id", "probe_envs:MatchTheObservationImage",
+            "--num-parallel-envs", "16", "--num-env-steps-per-cycle", "8", "--num-minibatches-per-epoch", "2",
+            "--num-total-env-steps", str(16 * 8 * 40), "--lr", "3e-3", "--num-devices", num_devices,
+            "--run-dir", str(run_dir), script="ppo_lstm_impala.py",
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert ("on 2 devices" in result.stdout) == (num_devices == "2")
+        rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        assert np.mean([row["charts/episodic_return"] for row in rows[:3]]) < 0.7  # it starts near chance (0.5)
+        assert np.mean([row["charts/episodic_return"] for row in rows[-5:]]) > 0.9, num_devices
