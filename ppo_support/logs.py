@@ -1,12 +1,15 @@
 """Metrics and checkpoints leave the jit through host callbacks (send_to_host); on the host,
-MetricsLogger writes metrics.jsonl, the console line and wandb, and rundir.Checkpointer the
-checkpoints. The metric names are the script's: its run_metric_names, passed in."""
+HostQueue hands them to one thread of their own, where MetricsLogger writes metrics.jsonl, the
+console line and wandb, and rundir.Checkpointer the checkpoints. The metric names are the
+script's: its run_metric_names, passed in."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import math
+import queue
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
@@ -51,37 +54,89 @@ def send_to_host(
 ) -> Outbox:
     """After each cycle: buffers its metrics row (every --log-every-cycles, every evaluation and
     the last cycle), sends the buffered rows to log_fn(cycles, num_rows, rows) when the buffer is
-    full, before a checkpoint and at the end, and sends the states to checkpoint_fn(cycle, states)
-    every checkpoint interval, unless a seed has failed (the last good checkpoint stays on disk).
-    JAX orders callbacks on one device only (`ordered`); on several, each row and checkpoint
-    carries its cycle number, and the checkpointer never goes back in time."""
+    full and at the end, and every checkpoint interval, in one callback, first the rows and then
+    the states to checkpoint_fn(cycle, states), unless a seed has failed (the last good checkpoint
+    stays on disk). One callback, so that a checkpoint never reaches the host before the rows up
+    to it: JAX orders callbacks on one device only (`ordered`). On several, each row and
+    checkpoint carries its cycle number, and the checkpointer never goes back in time."""
     cycle = states.cycle[0]
-    should_save = (cycle % checkpoint_interval(args) == 0) & ~jnp.any(states.non_finite > 0)
+    should_save = jnp.bool_(False)
+    if checkpoint_fn is not None:
+        should_save = (cycle % checkpoint_interval(args) == 0) & ~jnp.any(states.non_finite > 0)
+    sent = outbox
     if log_fn is not None:
         last = cycle == args.num_cycles
         should_log = (cycle % args.log_every_cycles == 0) | evaluation.evaluation_due(cycle, args)  # the last cycle is due
         values = jnp.stack([metrics[name] for name in metric_names])  # (metrics, seeds)
-        outbox = Outbox(
+        sent = Outbox(
             rows=jnp.where(should_log, outbox.rows.at[outbox.num_rows].set(values), outbox.rows),
             row_cycles=jnp.where(should_log, outbox.row_cycles.at[outbox.num_rows].set(cycle), outbox.row_cycles),
             num_rows=outbox.num_rows + should_log,
         )
-        flush_now = (last | should_save) if checkpoint_fn is not None else last
-        flush = (outbox.num_rows > 0) & ((outbox.num_rows == outbox.rows.shape[0]) | flush_now)
+        flush = (sent.num_rows > 0) & ((sent.num_rows == sent.rows.shape[0]) | last | should_save)
         jax.lax.cond(
-            flush,
-            lambda: jax.debug.callback(log_fn, outbox.row_cycles, outbox.num_rows, outbox.rows, ordered=ordered),
+            flush & ~should_save,
+            lambda: jax.debug.callback(log_fn, sent.row_cycles, sent.num_rows, sent.rows, ordered=ordered),
             lambda: None,
         )
-        outbox = outbox._replace(num_rows=jnp.where(flush, 0, outbox.num_rows))
+        outbox = sent._replace(num_rows=jnp.where(flush, 0, sent.num_rows))
     if checkpoint_fn is not None:
         host_states = jax.tree.map(rundir.key_data_or_array, states)  # callbacks take no PRNG keys
+
+        def rows_then_checkpoint(row_cycles, num_rows, rows, cycle, host_states):
+            if log_fn is not None:
+                log_fn(row_cycles, num_rows, rows)
+            checkpoint_fn(cycle, host_states)
+
         jax.lax.cond(
             should_save,
-            lambda: jax.debug.callback(checkpoint_fn, cycle, host_states, ordered=ordered),
+            lambda: jax.debug.callback(rows_then_checkpoint, sent.row_cycles, sent.num_rows, sent.rows, cycle, host_states,
+                                       ordered=ordered),
             lambda: None,
         )
     return outbox
+
+
+class HostQueue:
+    """Runs the host side of the train loop's callbacks (the metrics logger, the checkpointer) on
+    one thread of its own, in the order the callbacks came. A callback only queues its arrays and
+    returns: reading them inside the callback can deadlock several devices. (On 2 simulated CPU
+    devices, np.asarray on a callback's checkpoint arrays waited for as long as the callback held
+    its device, while the other device waited for it in an all-reduce, until XLA aborted the
+    process; see docs/scaling.md.) The first error stops the queue: the next callback raises it,
+    which stops the compiled run, and so does `wait`."""
+
+    def __init__(self):
+        self.jobs: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        threading.Thread(target=self.work, daemon=True).start()
+
+    def wrap(self, host_fn: Callable, timed: bool = False) -> Callable:
+        """The callback to pass into the jit. timed: host_fn also gets the time of the call, last."""
+
+        def queued(*arrays: Any) -> None:
+            if self.error is not None:
+                raise self.error
+            self.jobs.put((host_fn, (*arrays, time.perf_counter()) if timed else arrays))
+
+        return queued
+
+    def work(self) -> None:
+        while True:
+            host_fn, arrays = self.jobs.get()
+            try:
+                if self.error is None:
+                    host_fn(*jax.tree.map(np.asarray, arrays))
+            except BaseException as error:  # kept for the next callback and for wait()
+                self.error = error
+            finally:
+                self.jobs.task_done()
+
+    def wait(self) -> None:
+        """Once the compiled run has returned: waits for every queued job; raises the first error."""
+        self.jobs.join()
+        if self.error is not None:
+            raise self.error
 
 
 def checkpoint_interval(args: Any) -> int:
@@ -113,12 +168,15 @@ class MetricsLogger:
         self.start_time = self.last_time = time.perf_counter()
         self.start_cycle = self.last_cycle = self.last_wandb_cycle = cycle
 
-    def __call__(self, cycles: Any, num_rows: Any, values: Any) -> None:
-        """The first num_rows of cycles (rows,) and values (rows, len(metric_names), num_seeds)."""
+    def __call__(self, cycles: Any, num_rows: Any, values: Any, now: float | None = None) -> None:
+        """The first num_rows of cycles (rows,) and values (rows, len(metric_names), num_seeds),
+        sent at time `now` (time.perf_counter(); by default, this call's)."""
         if jax.process_index() != 0:  # multi-host: one writer
             return
-        now = time.perf_counter()
+        now = time.perf_counter() if now is None else float(now)
         cycles = [int(cycle) for cycle in np.asarray(cycles)[: int(num_rows)]]
+        if not cycles:  # a checkpoint with no rows waiting
+            return
         sps = (cycles[-1] - self.last_cycle) * self.args.batch_size * self.args.num_seeds / max(now - self.last_time, 1e-9)
         self.last_time, self.last_cycle = now, cycles[-1]
         # Plain Python floats, NaN -> None: this runs while the device waits, so it avoids

@@ -56,7 +56,9 @@ class Session:
         """Compiles train(states, log_fn, checkpoint_fn, start_cycle) (the script's make_train),
         then writes args.json (or, resumed, drops what came after the checkpoint), starts wandb
         and runs it. Returns the final states and the metrics of the cycles run."""
-        program = jax.jit(lambda states: train(states, self.logger, self.checkpointer, self.start_cycle), donate_argnums=0)
+        host = logs.HostQueue()  # the callbacks only queue their arrays; its thread writes them
+        log_fn, checkpoint_fn = host.wrap(self.logger, timed=True), host.wrap(self.checkpointer)
+        program = jax.jit(lambda states: train(states, log_fn, checkpoint_fn, self.start_cycle), donate_argnums=0)
         compiled = program.lower(states).compile()
         self.compile_seconds = time.perf_counter() - self.start_time
         print(f"compiled in {self.compile_seconds:.1f} s{'' if mesh is None else f' on {mesh.size} devices'}", flush=True)
@@ -67,6 +69,7 @@ class Session:
         try:
             states, metrics = compiled(states)
             jax.block_until_ready((states, metrics))
+            host.wait()
         except jax.errors.JaxRuntimeError:
             write_error = self.checkpointer.error or self.logger.error
             if write_error is None:

@@ -167,7 +167,8 @@ def compiled_loops_row(ppo_mlp: types.ModuleType, theirs, keys, num_seeds: int, 
     with tempfile.TemporaryDirectory() as run_dir:
         logger = ppo_mlp.logs.MetricsLogger(args, Path(run_dir), ppo_mlp.run_metric_names(env, env_params))
         checkpointer = ppo_mlp.rundir.Checkpointer(Path(run_dir), args.keep_checkpoints)
-        logged = jax.jit(lambda states: train(states, logger, checkpointer)).lower(states).compile()
+        host = ppo_mlp.logs.HostQueue()  # as a run does: the callbacks queue, a thread writes
+        logged = jax.jit(lambda states: train(states, host.wrap(logger, timed=True), host.wrap(checkpointer))).lower(states).compile()
 
         def seconds(compiled, inputs) -> float:
             start = time.perf_counter()
@@ -178,7 +179,10 @@ def compiled_loops_row(ppo_mlp: types.ModuleType, theirs, keys, num_seeds: int, 
             checkpointer.last_saved_cycle = -1  # it never writes an older cycle than its last, and each round starts over
             logger.start(0, [])
             with contextlib.redirect_stdout(io.StringIO()):  # its console lines, kept out of the table
-                elapsed = seconds(logged, states)
+                start = time.perf_counter()
+                jax.block_until_ready(logged(states))
+                host.wait()
+                elapsed = time.perf_counter() - start
             logger.close()
             return elapsed
 
