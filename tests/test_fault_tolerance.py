@@ -52,8 +52,9 @@ class NonFiniteRewardImage(probe_envs.NonFiniteReward):
     obs_shape = (3, 3, 1)
 
 
-def start(script: str, *flags: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(ROOT / script), *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def start(script: str, *flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / script), *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
 
 
 @pytest.fixture(scope="module")
@@ -129,6 +130,41 @@ def test_resume_after_sigkill_is_bit_identical_to_an_uninterrupted_run(tmp_path,
     # a finished run cannot be resumed; a changed argument that matters is refused
     again = start(script, "--resume", str(killed_dir))
     assert again.wait(timeout=120) == 2 and "already finished" in again.stderr.read()
+
+
+# Breakout-MinAtar on 2 simulated CPU devices, ppo_lstm_impala.py at its default LSTM size: the
+# configurations whose first checkpoint used to abort the process (an all-reduce timeout).
+TWO_DEVICES = {
+    "ppo_mlp.py": ["--env-id", "Breakout-MinAtar", "--num-devices", "2", "--num-parallel-envs", "8",
+                   "--num-env-steps-per-cycle", "32", "--num-total-env-steps", str(8 * 32 * 160), "--checkpoint-every-cycles", "20"],
+    "ppo_lstm_impala.py": ["--env-id", "Breakout-MinAtar", "--num-devices", "2", "--num-parallel-envs", "8",
+                           "--num-env-steps-per-cycle", "16", "--num-minibatches-per-epoch", "2",
+                           "--num-total-env-steps", str(8 * 16 * 12), "--checkpoint-every-cycles", "4"],
+}
+TWO_CPU_DEVICES = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+
+
+@pytest.mark.parametrize("script", sorted(TWO_DEVICES))
+def test_two_devices_checkpoint_and_resume_after_sigkill_bit_identically(tmp_path, script):
+    whole_dir, killed_dir = tmp_path / "whole", tmp_path / "killed"
+    whole = start(script, *TWO_DEVICES[script], "--run-dir", str(whole_dir), env=TWO_CPU_DEVICES)
+    out, err = whole.communicate(timeout=600)
+    assert whole.returncode == 0, err[-3000:]
+    assert "on 2 devices" in out
+    assert len(checkpoints(whole_dir)) == 2
+    killed = start(script, *TWO_DEVICES[script], "--run-dir", str(killed_dir), env=TWO_CPU_DEVICES)
+    wait_for_first_checkpoint(killed, killed_dir)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait()
+    assert not (killed_dir / "summary.json").exists(), "killed too late: make the run longer"
+    resumed = start(script, "--resume", str(killed_dir), env=TWO_CPU_DEVICES)
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    assert "resuming" in out
+    assert (killed_dir / "params.msgpack").read_bytes() == (whole_dir / "params.msgpack").read_bytes()
+    assert metrics_without_timing(killed_dir) == metrics_without_timing(whole_dir)
+    for resumed_checkpoint, whole_checkpoint in zip(checkpoints(killed_dir), checkpoints(whole_dir), strict=True):
+        assert resumed_checkpoint.read_bytes() == whole_checkpoint.read_bytes()
 
 
 @pytest.mark.parametrize("script", sorted(SMALL))
@@ -322,3 +358,23 @@ def test_checkpoint_and_metrics_write_errors_are_kept_and_leave_earlier_checkpoi
             logger(np.array([1]), 1, rows)
         assert logger.error is not None
         logger.close()  # the failed rows were reported; closing does not raise again
+
+
+def test_the_host_queue_runs_the_callbacks_in_order_and_stops_at_the_first_error():
+    # The train loop's callbacks only queue their arrays (logs.HostQueue); the metrics logger and
+    # the checkpointer run on the queue's thread, and their first error stops the run.
+    host = logs.HostQueue()
+    seen = []
+    record = host.wrap(lambda value, now: seen.append((int(value), float(now))), timed=True)
+    fail = host.wrap(lambda value: (_ for _ in ()).throw(errors.WriteError(f"cannot write {int(value)}")))
+    for value in range(1, 4):
+        record(np.int32(value))
+    host.wait()
+    assert [value for value, _ in seen] == [1, 2, 3]
+    assert seen[0][1] <= seen[1][1] <= seen[2][1] <= time.perf_counter()  # the times of the calls
+    fail(np.int32(4))
+    with pytest.raises(errors.WriteError, match="cannot write 4"):
+        host.wait()
+    with pytest.raises(errors.WriteError, match="cannot write 4"):  # the next callback stops the compiled run
+        record(np.int32(5))
+    assert [value for value, _ in seen] == [1, 2, 3]
