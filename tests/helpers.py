@@ -89,6 +89,25 @@ def record_calls(monkeypatch, module: Any, name: str, pick: Callable[[tuple, Any
     return records
 
 
+def record_second_cycle(monkeypatch, module: Any, args: Any) -> tuple[Any, dict, Any, Any]:
+    """Trains two cycles of one seed (module: ppo_mlp or ppo_lstm_impala) with collect_rollout
+    and update_cycle read out. Returns the second cycle's transitions, what its update_cycle
+    received (params, batch), the state it started from, and the network."""
+    import jax
+
+    from ppo_support import envs
+
+    env, env_params = envs.make_env(args.env_id)
+    network, optimizer = module.make_network(args, env.action_space(env_params).n), module.make_optimizer(args)
+    rollouts = record_calls(monkeypatch, module, "collect_rollout", lambda a, out: out[1])
+    updates = record_calls(monkeypatch, module, "update_cycle", lambda a, out: dict(params=a[0], batch=a[2]))
+    init, _ = module.make_train(args, env, env_params)
+    cycle = jax.jit(lambda state: module.train_cycle(state, network, optimizer, env, env_params, args)[0])
+    state = cycle(init(args.seed))
+    cycle(state)
+    return rollouts[1], updates[1], state, network
+
+
 def learning_rate_used(params_before: Any, params_after: Any, grads: Any, opt_state: Any, max_grad_norm: float, adam_eps: float) -> float:
     """The learning rate a gradient step applied, measured from the parameters it moved: the
     step (after - before) against the direction optax's own Adam gives for `grads`, clipped by

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import record_calls, run_script
+from helpers import record_second_cycle, run_script
 from reference import gae_reference, ppo_loss_reference
 
 import ppo_lstm_impala as ppo
@@ -298,15 +298,7 @@ def test_the_value_targets_the_update_used_match_a_python_loop_gae(monkeypatch, 
     args = ppo.Args(**TINY, env_id="probe_envs:ClockImage", num_parallel_envs=8, num_env_steps_per_cycle=8, num_total_env_steps=128,
                     num_minibatches_per_epoch=2, num_epochs_per_cycle=1, gamma=0.9, gae_lambda=0.8, lstm_training=lstm_training,
                     bootstrap_truncated=bootstrap_truncated)
-    env, env_params = envs.make_env(args.env_id)
-    network, optimizer = ppo.make_network(args, 2), ppo.make_optimizer(args)
-    rollouts = record_calls(monkeypatch, ppo, "collect_rollout", lambda a, out: out[1])
-    updates = record_calls(monkeypatch, ppo, "update_cycle", lambda a, out: dict(params=a[0], batch=a[2]))
-    init, _ = ppo.make_train(args, env, env_params)
-    cycle = jax.jit(lambda state: ppo.train_cycle(state, network, optimizer, env, env_params, args)[0])
-    state = cycle(init(args.seed))
-    cycle(state)
-    transitions, used = rollouts[1], updates[1]
+    transitions, used, state, network = record_second_cycle(monkeypatch, ppo, args)
     assert transitions.truncated.any() and transitions.terminated.any()
     first_carry = np.asarray(state.env.lstm_carry)
     assert np.abs(first_carry[~np.asarray(state.env.episode_start)]).max() > 1e-3  # a carry to replay from

@@ -15,7 +15,7 @@ import pytest
 
 import ppo_mlp
 import ppo_support
-from helpers import ROOT, read_wandb_offline_run, record_calls, run_script
+from helpers import ROOT, read_wandb_offline_run, record_second_cycle, run_script
 from reference import gae_reference, ppo_loss_reference
 from ppo_support import devices, envs, rundir
 
@@ -220,15 +220,7 @@ def test_the_value_targets_the_update_used_match_a_python_loop_gae(monkeypatch, 
     args = ppo_mlp.Args(env_id="probe_envs:Clock", num_parallel_envs=8, num_env_steps_per_cycle=8, num_total_env_steps=128,
                         num_minibatches_per_epoch=2, num_epochs_per_cycle=1, gamma=0.9, gae_lambda=0.8, norm_obs=norm_obs,
                         bootstrap_truncated=bootstrap_truncated)
-    env, env_params = envs.make_env(args.env_id)
-    network, optimizer = ppo_mlp.make_network(args, 2), ppo_mlp.make_optimizer(args)
-    rollouts = record_calls(monkeypatch, ppo_mlp, "collect_rollout", lambda a, out: out[1])
-    updates = record_calls(monkeypatch, ppo_mlp, "update_cycle", lambda a, out: dict(params=a[0], batch=a[2]))
-    init, _ = ppo_mlp.make_train(args, env, env_params)
-    cycle = jax.jit(lambda state: ppo_mlp.train_cycle(state, network, optimizer, env, env_params, args)[0])
-    state = cycle(init(args.seed))
-    cycle(state)
-    transitions, used = rollouts[1], updates[1]
+    transitions, used, state, network = record_second_cycle(monkeypatch, ppo_mlp, args)
     assert transitions.truncated.any() and transitions.terminated.any()
 
     def normalized(obs):
