@@ -46,12 +46,18 @@ def record_updates(monkeypatch, script: str, target_kl: float | None):
 
 
 def loss_metrics_and_grads(module, args, call: dict):
-    """The loss's metrics and gradient for a recorded call, recomputed outside the program."""
-    network = module.make_network(args, 2)
-    (_, metrics), grads = jax.value_and_grad(module.loss_fn, has_aux=True)(
-        call["params"], module.Batch(*call["minibatch"]), jnp.float32(call["clip_eps"]), network, args, None
-    )
+    """The loss's metrics and gradient for a recorded call, recomputed outside the program (with
+    the script's loss_fn, jitted once per run: op by op, the LSTM's took minutes per test)."""
+    key = (module.__name__, id(args))
+    if key not in LOSS_AND_GRADS:
+        network = module.make_network(args, 2)
+        LOSS_AND_GRADS[key] = (args, jax.jit(lambda params, minibatch, clip_eps: jax.value_and_grad(module.loss_fn, has_aux=True)(
+            params, minibatch, clip_eps, network, args, None)))
+    (_, metrics), grads = LOSS_AND_GRADS[key][1](call["params"], module.Batch(*call["minibatch"]), jnp.float32(call["clip_eps"]))
     return {name: float(value) for name, value in metrics.items()}, grads
+
+
+LOSS_AND_GRADS: dict = {}  # (script, id(args)) -> (args, kept alive so its id stays unique; the jitted function)
 
 
 def same_tree(a, b) -> bool:
