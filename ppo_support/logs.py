@@ -98,8 +98,8 @@ def send_to_host(
 
 
 class HostQueue:
-    """Runs the host side of the train loop's callbacks (the metrics logger, the checkpointer) on
-    one thread of its own, in the order the callbacks came. A callback only queues its arrays and
+    """Runs the host side of the train loop's callbacks (the metrics logger, the checkpointer, the
+    video recorder) on one thread of its own, in the order the callbacks came. A callback only queues its arrays and
     returns: reading them inside the callback can deadlock several devices. (On 2 simulated CPU
     devices, np.asarray on a callback's checkpoint arrays waited for as long as the callback held
     its device, while the other device waited for it in an all-reduce, until XLA aborted the

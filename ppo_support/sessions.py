@@ -37,14 +37,16 @@ class Session:
                 raise ConfigError(f"--run-dir {self.path} already holds a run; choose another folder, or --resume it")
             self.checkpointer = rundir.Checkpointer(self.path, args.keep_checkpoints)
         self.logger = logs.MetricsLogger(args, self.path, metric_names + evaluation.eval_metric_names(args))
+        self.host = logs.HostQueue()  # the loop's callbacks only queue their arrays; its thread runs them, in order
         self.start_cycle = 0
         self.kept_rows: list[dict[str, Any]] = []  # a resumed run's rows up to its checkpoint
         self.wandb_runs: list[Any] = []
         self.compile_seconds = self.train_seconds = 0.0
 
-    def video_recorder(self, env_params: Any) -> videos.VideoRecorder | None:
+    def video_recorder(self, env_params: Any) -> Callable | None:
         """The video callback (--capture-video), or None."""
-        return videos.make_video_recorder(self.args, env_params, self.path, self.logger)
+        recorder = videos.make_video_recorder(self.args, env_params, self.path, self.logger)
+        return None if recorder is None else self.host.wrap(recorder)
 
     def restore(self, states: Any) -> Any:
         """With --resume, the checkpoint's states in place of the freshly initialised `states`."""
@@ -56,8 +58,7 @@ class Session:
         """Compiles train(states, log_fn, checkpoint_fn, start_cycle) (the script's make_train),
         then writes args.json (or, resumed, drops what came after the checkpoint), starts wandb
         and runs it. Returns the final states and the metrics of the cycles run."""
-        host = logs.HostQueue()  # the callbacks only queue their arrays; its thread writes them
-        log_fn, checkpoint_fn = host.wrap(self.logger, timed=True), host.wrap(self.checkpointer)
+        log_fn, checkpoint_fn = self.host.wrap(self.logger, timed=True), self.host.wrap(self.checkpointer)
         program = jax.jit(lambda states: train(states, log_fn, checkpoint_fn, self.start_cycle), donate_argnums=0)
         compiled = program.lower(states).compile()
         self.compile_seconds = time.perf_counter() - self.start_time
@@ -69,7 +70,7 @@ class Session:
         try:
             states, metrics = compiled(states)
             jax.block_until_ready((states, metrics))
-            host.wait()
+            self.host.wait()
         except jax.errors.JaxRuntimeError:
             write_error = self.checkpointer.error or self.logger.error
             if write_error is None:

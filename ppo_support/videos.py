@@ -115,8 +115,8 @@ class VideoRecorder:
     """Host side of the video callback (--capture-video): draws the steps recorded inside the jit
     (evaluation.record_video_episode) into RUN_DIR/videos/cycle-<n>.gif, and has the logger send it to
     wandb. No JAX computation runs here: one started from inside a callback could wait for the
-    very program that waits for the callback. Training waits while a GIF is drawn; a failed
-    write is a warning."""
+    very program that waits for the callback. It runs on the session's host queue
+    (logs.HostQueue), so training goes on while a GIF is drawn; a failed write is a warning."""
 
     def __init__(self, render: Callable, run_dir: Path, logger: Any):
         self.render = render
