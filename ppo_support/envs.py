@@ -11,14 +11,15 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
-from typing import Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
-import gymnax
 import jax
 import jax.numpy as jnp
-from gymnax.environments import spaces
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from gymnax.environments import spaces
 
 CRAFTAX_IDS = ("Craftax-Classic-Symbolic-v1", "Craftax-Classic-Pixels-v1", "Craftax-Symbolic-v1", "Craftax-Pixels-v1")
 XMINIGRID_PREFIXES = ("MiniGrid-", "XLand-MiniGrid-")  # every id in xminigrid.registered_environments()
@@ -29,6 +30,11 @@ def make_env(env_id: str, sticky_action_prob: float = 0.0, optimistic_reset_rati
     `module.path:Name` (an Environment subclass, or a zero-argument factory returning
     (env, env_params)). Wrapped in StickyActions only when sticky_action_prob > 0; a suite's env
     resets optimistically (SuiteEnv.step_batch) when optimistic_reset_ratio > 1."""
+    # gymnax is imported where it is used: importing it builds arrays, which starts JAX's backend,
+    # and --distributed must join the other processes before that (devices.start_distributed).
+    import gymnax
+    from gymnax.environments import spaces
+
     if ":" in env_id:
         module_name, _, attr_name = env_id.partition(":")
         try:
@@ -128,6 +134,8 @@ def did_you_mean(env_id: str) -> str:
         xminigrid_ids = xminigrid.registered_environments()
     except ImportError:
         xminigrid_ids = ()
+    import gymnax
+
     close = difflib.get_close_matches(env_id, [*gymnax.registered_envs, *CRAFTAX_IDS, *xminigrid_ids], n=3, cutoff=0.5)
     if close:
         return f"; did you mean {', '.join(close)}?"
@@ -184,9 +192,13 @@ class SuiteEnv:
         return obs, states, reward, terminated, truncated, {**info, "final_observation": final_obs}
 
     def action_space(self, params: Any = None) -> spaces.Discrete:
+        from gymnax.environments import spaces
+
         return spaces.Discrete(self.num_actions)
 
     def observation_space(self, params: Any = None) -> spaces.Box:
+        from gymnax.environments import spaces
+
         return spaces.Box(0.0, 1.0, self.obs_shape, jnp.float32)
 
 
