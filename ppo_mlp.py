@@ -81,7 +81,10 @@ class Args:
 
     # --- scale (37 details, auxiliary: parallelized gradient update) ----------------------
     num_devices: int = 1  # split the parallel envs across devices (0 = all); gradients are pmean-ed
-    distributed: bool = False  # multi-host: jax.distributed.initialize() first, from the cluster's env vars
+    distributed: bool = False  # multi-host: join the other processes first (jax.distributed.initialize); then --num-devices 0
+    coordinator_address: str | None = None  # --distributed: process 0's HOST:PORT; None: detected (SLURM, Open MPI)
+    num_processes: int | None = None  # --distributed: how many processes; None: detected
+    process_id: int | None = None  # --distributed: this process, 0 to --num-processes - 1; None: detected
 
     # --- logging ----------------------------------------------------------------------
     track: bool = False  # log to Weights & Biases
@@ -721,6 +724,7 @@ def run(args: Args) -> dict[str, Any]:
     """Trains (or resumes from the newest checkpoint) and writes the run dir; returns its summary.
     The session (ppo_support/sessions.py) writes nothing until the program has compiled."""
     validate_args(args)
+    devices.start_distributed(args)  # --distributed: before anything starts JAX's backend
     cpu.avoid_cpu_qr_deadlock()  # CPU settings, before JAX starts its backend
     cpu.use_unrolled_threefry_on_cpu()
     env, env_params = envs.make_env(args.env_id, args.sticky_action_prob, args.optimistic_reset_ratio)

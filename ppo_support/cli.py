@@ -9,13 +9,15 @@ import dataclasses
 import io
 import itertools
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
+import jax
 import tyro
 
-from . import rundir
+from . import devices, rundir
 from .errors import ConfigError, WriteError, flag
 
 # Flags of both scripts that must be positive integers.
@@ -70,6 +72,32 @@ def check_common_args(args: Any, more_positive_ints: tuple[str, ...] = ()) -> No
         raise ConfigError(f"--sticky-action-prob must be in [0, 1), got {args.sticky_action_prob}")
     if args.optimistic_reset_ratio < 1:
         raise ConfigError(f"--optimistic-reset-ratio must be at least 1, got {args.optimistic_reset_ratio}")
+    check_distributed_args(args)
+
+
+def check_distributed_args(args: Any) -> None:
+    """--coordinator-address, --num-processes and --process-id: with --distributed, all three or
+    none (JAX then detects them from SLURM or Open MPI)."""
+    given = [name for name in DISTRIBUTED_FLAGS if getattr(args, name) is not None]
+    if given and not args.distributed:
+        raise ConfigError(f"{flag(given[0])} needs --distributed")
+    if given and len(given) < len(DISTRIBUTED_FLAGS):
+        raise ConfigError(
+            "--coordinator-address, --num-processes and --process-id go together (or none: JAX detects them "
+            f"from SLURM or Open MPI); got only {', '.join(flag(name) for name in given)}"
+        )
+    if not given:
+        return
+    host, _, port = args.coordinator_address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"--coordinator-address must be HOST:PORT (process 0's), got {args.coordinator_address!r}")
+    if args.num_processes < 1:
+        raise ConfigError(f"--num-processes must be a positive integer, got {args.num_processes}")
+    if not 0 <= args.process_id < args.num_processes:
+        raise ConfigError(f"--process-id must be 0 to --num-processes - 1 = {args.num_processes - 1}, got {args.process_id}")
+
+
+DISTRIBUTED_FLAGS = ("coordinator_address", "num_processes", "process_id")
 
 
 def check_wandb_args(args: Any) -> None:
@@ -119,13 +147,26 @@ def parse_args(args_class: type, argv: list[str] | None = None) -> Any:
 
 def main(parse_and_run: Callable[[], dict[str, Any]]) -> int:
     """The exit code of `parse_and_run()`, which returns the run's summary: 2 for bad input, 1
-    when the run dir could not be written or a seed failed (summary["failures"]), else 0."""
+    when the run dir could not be written, a seed failed (summary["failures"]) or, with
+    --distributed, another process was lost; else 0."""
     try:
         summary = parse_and_run()
     except ConfigError as error:  # bad input: nothing was written
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    except (WriteError, OSError) as error:  # the run dir could not be written (disk full, no permission)
-        print(f"error: {error}", file=sys.stderr)
-        return 1
-    return 1 if summary["failures"] else 0
+        return leave(2, error)
+    except (WriteError, OSError, devices.ProcessLost) as error:  # the run dir could not be written (disk full, ...)
+        return leave(1, error)
+    return leave(1 if summary["failures"] else 0)
+
+
+def leave(code: int, error: Exception | None = None) -> int:
+    """The exit code, after one `error:` line. --distributed: processes whose run finished leave
+    the coordinator together (jax.distributed.shutdown); one that stops on an error exits at
+    once, as JAX's exit would wait for every other process to leave too."""
+    if error is not None:
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    if jax.distributed.is_initialized() and error is None:  # the run finished, in every process
+        jax.distributed.shutdown()
+    elif jax.distributed.is_initialized():
+        sys.stdout.flush()
+        os._exit(code)
+    return code

@@ -9,6 +9,8 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
 from .errors import ConfigError
@@ -86,16 +88,102 @@ def place_on_mesh(states: Any, mesh: jax.sharding.Mesh | None) -> Any:
         states,
         is_leaf=lambda node: isinstance(node, P),
     )
-    return jax.device_put(states, shardings)
+    if jax.process_count() == 1:
+        return jax.device_put(states, shardings)
+    return jax.tree.map(global_array, states, shardings)
+
+
+def global_array(value: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
+    """--distributed: an array over every process's devices, from the whole value, which every
+    process holds (the same seeds' init, or the same checkpoint); each puts its own devices' shards."""
+    if jnp.issubdtype(value.dtype, jax.dtypes.prng_key):
+        data = global_array(jax.random.key_data(value), sharding)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(value))
+    whole = np.asarray(value)
+    return jax.make_array_from_callback(whole.shape, sharding, lambda index: whole[index])
+
+
+def wait_for_every_process(name: str) -> None:
+    """--distributed: a barrier; each process goes on once every process has reached it."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
+
+
+def check_same_on_every_process(value: int, what: str) -> None:
+    """--distributed: every process must have read the same `value` (an int)."""
+    if jax.process_count() == 1:
+        return
+    values = [int(v) for v in multihost_utils.process_allgather(np.int32(value))]
+    if len(set(values)) > 1:
+        raise ConfigError(f"{what} differs between processes ({values}, by process): every process must see the same files")
+
+
+def fetch(tree: Any) -> Any:
+    """The arrays of a tree in this process's memory, where np.asarray can read them: with
+    --distributed, every process gathers the shards of every other (PRNG keys as their key data)."""
+    if jax.process_count() == 1:
+        return tree
+    as_data = lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x  # noqa: E731
+    return multihost_utils.process_allgather(jax.tree.map(as_data, tree), tiled=True)
+
+
+def start_distributed(args: Any) -> None:
+    """--distributed: joins this process to the run's others (jax.distributed.initialize), before
+    anything starts JAX's backend. The coordinator is process 0's --coordinator-address; without
+    the three flags JAX detects them from the cluster (SLURM, Open MPI). On CPU the processes'
+    collectives go over gloo. A process that stops is noticed by the others' next collective, or
+    within HEARTBEAT_SECONDS by the coordinator; they then stop too (cli.main names the lost one)."""
+    if not args.distributed:
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")  # only the CPU backend reads it
+    try:
+        jax.distributed.initialize(
+            coordinator_address=args.coordinator_address,
+            num_processes=args.num_processes,
+            process_id=args.process_id,
+            heartbeat_timeout_seconds=HEARTBEAT_SECONDS,
+        )
+    except Exception as error:  # no coordinator in time, no cluster detected, a bad address...
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ConfigError(f"--distributed: could not join the run's processes ({reason})") from None
+
+
+HEARTBEAT_SECONDS = 20  # a process not heard from for this long is lost, and the run stops
+
+
+class ProcessLost(Exception):
+    """--distributed: another process of the run stopped (cli.main exits at once, with code 1)."""
+
+
+def raise_if_a_process_was_lost(error: Exception) -> None:
+    """--distributed: a collective that failed because its peer's connection closed means that
+    another process stopped. With two processes that is the other one; with more, JAX's
+    coordinator (process 0) logs which stopped sending heartbeats."""
+    if jax.process_count() == 1 or not any(sign in str(error) for sign in LOST_PEER_SIGNS):
+        return
+    others = [index for index in range(jax.process_count()) if index != jax.process_index()]
+    lost = f"process {others[0]}" if len(others) == 1 else f"one of processes {', '.join(map(str, others))}"
+    reason = str(error).strip().splitlines()[0]
+    raise ProcessLost(
+        f"--distributed: lost {lost} of {jax.process_count()} ({reason}); process {jax.process_index()} stops too. "
+        "--resume RUN_DIR continues from the last checkpoint"
+    ) from None
+
+
+LOST_PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Connection refused", "Socket closed")
 
 
 def make_mesh(args: Any, sequence_length: int = 1) -> jax.sharding.Mesh | None:
     """The devices the envs are split across; None for one device (no shard_map at all). Each
     device cuts its own minibatches from its share of the batch: from its transitions
-    (sequence_length 1), or from its whole env sequences (ppo_lstm_impala.py's bptt)."""
-    if args.distributed:
-        jax.distributed.initialize()  # reads the coordinator address etc. from the environment
+    (sequence_length 1), or from its whole env sequences (ppo_lstm_impala.py's bptt). With
+    --distributed, every device of every process."""
     devices = jax.devices()
+    if args.distributed and args.num_devices not in (0, len(devices)):
+        raise ConfigError(
+            f"--num-devices {args.num_devices} with --distributed: a run spans every device of its "
+            f"{jax.process_count()} process(es), {len(devices)} here; use --num-devices 0"
+        )
     num_devices = args.num_devices or len(devices)
     if num_devices > len(devices):
         raise ConfigError(

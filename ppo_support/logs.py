@@ -272,6 +272,8 @@ class MetricsLogger:
         return {name: sum(column) / len(column) if column else None for name, column in zip(self.metric_names, columns)}
 
     def close(self) -> None:
+        if self.file is None:  # never started: a process other than --distributed's process 0
+            return
         for cycle, video in sorted(self.videos.items()):  # a video whose row never came
             self.wandb_runs[0].log(video, step=cycle * self.args.batch_size)
         self.videos = {}

@@ -31,6 +31,7 @@ RESUMABLE_FIELDS = (
     "track", "wandb_project", "wandb_entity", "wandb_group", "wandb_tags", "wandb_run_per_seed", "wandb_mode", "run_dir",
     "log_every_cycles", "checkpoint_every_cycles", "keep_checkpoints", "resume", "exp_name",
     "eval_every_cycles", "eval_episodes", "eval_greedy", "capture_video",  # training is the same with or without them
+    "distributed", "coordinator_address", "num_processes", "process_id",  # where it runs: the same devices, the same result
 )
 # What args.json holds beside the Args (script_info).
 RUN_INFO_KEYS = ("script", "script_path", "ppo_support_version", "ppo_support_commit")

@@ -28,6 +28,7 @@ class Session:
     def __init__(self, args: Any, metric_names: tuple[str, ...]):
         self.args = args
         self.start_time = time.perf_counter()
+        self.writes = jax.process_index() == 0  # --distributed: process 0 writes, prints and logs; the others only train
         self.resumable_names = metric_names  # what every row of a resumed run's metrics.jsonl holds
         if args.resume:
             self.path, self.checkpointer = rundir.prepare_resume(args, metric_names)
@@ -52,6 +53,7 @@ class Session:
         """With --resume, the checkpoint's states in place of the freshly initialised `states`."""
         if self.args.resume:
             states, self.start_cycle = self.checkpointer.load(states)
+            devices.check_same_on_every_process(self.start_cycle, f"the cycle of the checkpoint in {self.path}")
         return states
 
     def train(self, train: Callable, states: Any, mesh: jax.sharding.Mesh | None = None) -> tuple[Any, dict[str, Any]]:
@@ -62,17 +64,20 @@ class Session:
         program = jax.jit(lambda states: train(states, log_fn, checkpoint_fn, self.start_cycle), donate_argnums=0)
         compiled = program.lower(states).compile()
         self.compile_seconds = time.perf_counter() - self.start_time
-        print(f"compiled in {self.compile_seconds:.1f} s{'' if mesh is None else f' on {mesh.size} devices'}", flush=True)
-        self.start_writing()
-        self.logger.start(self.start_cycle, self.wandb_runs)
+        devices.wait_for_every_process("compiled")  # --distributed: every process has checked its flags and files
+        if self.writes:
+            print(f"compiled in {self.compile_seconds:.1f} s{'' if mesh is None else f' on {mesh.size} devices'}", flush=True)
+            self.start_writing()
         logging.getLogger("jax._src.debugging").addFilter(rundir.without_write_error_tracebacks)
         train_start = time.perf_counter()
         try:
-            states, metrics = compiled(states)
+            states, metrics = devices.fetch(compiled(states))  # fetch: --distributed's arrays span processes
             jax.block_until_ready((states, metrics))
             self.host.wait()
-        except jax.errors.JaxRuntimeError:
+        except jax.errors.JaxRuntimeError as error:
             write_error = self.checkpointer.error or self.logger.error
+            if write_error is None:
+                devices.raise_if_a_process_was_lost(error)
             if write_error is None:
                 raise
             raise write_error from None
@@ -82,7 +87,7 @@ class Session:
         return states, metrics
 
     def start_writing(self) -> None:
-        """Once compiled: the first writes to the run dir, and the wandb runs."""
+        """Once compiled: the first writes to the run dir, the wandb runs, and the metrics logger."""
         args = self.args
         if args.resume:
             self.kept_rows = rundir.keep_metrics_up_to(self.path, self.start_cycle, self.resumable_names)
@@ -94,11 +99,14 @@ class Session:
         self.wandb_runs = logs.start_wandb_runs(args, self.path) if args.track else []
         print(f"run dir: {self.path}  |  {args.num_cycles} cycles x {args.batch_size} env steps x {args.num_seeds} seeds",
               flush=True)
+        self.logger.start(self.start_cycle, self.wandb_runs)
 
     def finish(self, states: Any, metrics: dict[str, Any], more_results: dict[str, Any] | None = None) -> dict[str, Any]:
         """Writes params.msgpack, each of `more_results` that is not None (file name: tree), and
         summary.json; finishes wandb; reports every failed seed on stderr. Returns the summary."""
         summary = self.summary(states, metrics)
+        if not self.writes:
+            return summary
         (self.path / "params.msgpack").write_bytes(flax.serialization.to_bytes(states.params))
         for name, tree in (more_results or {}).items():
             if tree is not None:

@@ -63,6 +63,14 @@ COMMON = [
     (["--run-dir", ""], "--run-dir"),
     (["--resume", ""], "--resume"),
     (["--resume", "no/such/run"], "--resume"),
+    (["--coordinator-address", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "0"], "--coordinator-address"),
+    (["--process-id", "0"], "--process-id"),  # without --distributed
+    (["--distributed", "--num-processes", "2"], "--num-processes"),  # the three go together
+    (["--distributed", "--coordinator-address", "localhost", "--num-processes", "2", "--process-id", "0"], "--coordinator-address"),
+    (["--distributed", "--coordinator-address", "h:70000", "--num-processes", "2", "--process-id", "0"], "--coordinator-address"),
+    (["--distributed", "--coordinator-address", "h:1234", "--num-processes", "0", "--process-id", "0"], "--num-processes"),
+    (["--distributed", "--coordinator-address", "h:1234", "--num-processes", "2", "--process-id", "2"], "--process-id"),
+    (["--distributed", "--coordinator-address", "h:1234", "--num-processes", "2", "--process-id", "-1"], "--process-id"),
     (["--no-such-flag", "1"], "--no-such-flag"),
     (["--sticky-action-prob", "1"], "--sticky-action-prob"),
     (["--sticky-action-prob", "-0.1"], "--sticky-action-prob"),

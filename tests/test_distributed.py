@@ -1,0 +1,133 @@
+"""The multi-host path (--distributed) with real processes: two processes on 127.0.0.1, one CPU
+device each, joined by jax.distributed (gloo collectives), train as one 2-device mesh.
+
+Each test runs a script three ways: in one process on 2 simulated devices (the reference), in two
+processes until one of them is killed with SIGKILL after the first checkpoint, and in two
+processes resumed from that checkpoint. Each process runs under tests/audit_writes.py, which
+reports every write under the test's folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import ROOT
+
+CONFIGS = {
+    "ppo_mlp.py": ["--num-parallel-envs", "4", "--num-env-steps-per-cycle", "16", "--num-minibatches-per-epoch", "2",
+                   "--num-total-env-steps", str(64 * 40), "--checkpoint-every-cycles", "4"],
+    # Memory: 6-step episodes that span cycles, so the checkpoint holds LSTM carries mid-episode.
+    "ppo_lstm_impala.py": ["--env-id", "probe_envs:Memory", "--impala-channels", "4", "--torso-size", "32",
+                           "--lstm-size", "32", "--num-parallel-envs", "4", "--num-env-steps-per-cycle", "10",
+                           "--num-minibatches-per-epoch", "2", "--num-total-env-steps", str(40 * 40),
+                           "--checkpoint-every-cycles", "4"],
+}
+KILLED = {"ppo_mlp.py": 1, "ppo_lstm_impala.py": 0}  # the process SIGKILL stops: a worker, and the coordinator
+LOST_WITHIN_SECONDS = 60
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def start_processes(script: str, flags: list[str], audited: Path) -> list[subprocess.Popen]:
+    """Processes 0 and 1 of one --distributed run, each with one CPU device."""
+    env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", AUDIT_DIR=str(audited))
+    address = f"127.0.0.1:{free_port()}"
+    return [
+        subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "audit_writes.py"), str(ROOT / script), *flags, "--distributed",
+             "--num-devices", "0", "--coordinator-address", address, "--num-processes", "2", "--process-id", str(index)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+        )
+        for index in range(2)
+    ]
+
+
+def finish(processes: list[subprocess.Popen]) -> list[tuple[int, str, str]]:
+    return [(process.wait(timeout=600), *process.communicate()) for process in processes]
+
+
+def written(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("WRITE ")]
+
+
+def metrics_without_timing(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        row.pop("charts/SPS")
+    return rows
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    return sorted(run_dir.glob("checkpoint-*.npz"), key=lambda path: int(path.stem.split("-")[1]))
+
+
+@pytest.mark.parametrize("script", sorted(CONFIGS))
+def test_two_processes_train_as_two_devices_survive_a_lost_process_and_resume(tmp_path, script):
+    flags = CONFIGS[script]
+    reference_dir, run_dir = tmp_path / "reference", tmp_path / "two-processes"
+    two_devices = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    reference = subprocess.run([sys.executable, str(ROOT / script), *flags, "--num-devices", "2", "--run-dir",
+                                str(reference_dir)], capture_output=True, text=True, timeout=600, env=two_devices, cwd=ROOT)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    # Two processes, one of them killed after the first checkpoint: the other stops too, soon,
+    # with one line that names the lost process.
+    processes = start_processes(script, [*flags, "--run-dir", str(run_dir)], tmp_path)
+    deadline = time.time() + 600
+    while not checkpoints(run_dir):
+        assert all(process.poll() is None for process in processes) and time.time() < deadline, "ended before a checkpoint"
+        time.sleep(0.005)
+    victim = KILLED[script]
+    processes[victim].send_signal(signal.SIGKILL)
+    killed_at = time.time()
+    survivor = processes[1 - victim]
+    survivor.wait(timeout=LOST_WITHIN_SECONDS + 30)
+    assert time.time() - killed_at < LOST_WITHIN_SECONDS
+    out, err = survivor.communicate()
+    assert survivor.returncode != 0
+    assert f"error: --distributed: lost process {victim} of 2" in err, err[-3000:]
+    processes[victim].wait()
+    assert not (run_dir / "summary.json").exists(), "killed too late: make the run longer"
+    if victim == 1:  # the survivor is process 0, which wrote; process 1 wrote nothing
+        assert written(err) and not written(processes[1].stderr.read())
+
+    # Both resume from the checkpoint they wrote; the result equals the 2-device run's.
+    resumed = finish(start_processes(script, ["--resume", str(run_dir)], tmp_path))
+    for code, out, err in resumed:
+        assert code == 0, err[-3000:]
+    (_, out_0, err_0), (_, out_1, err_1) = resumed
+    assert "resuming" in out_0 and "on 2 devices" in out_0
+    printed_1 = [line for line in out_1.splitlines() if not line.startswith("[Gloo]")]  # gloo's own line
+    assert printed_1 == [] and not written(err_1), (printed_1, written(err_1))  # only process 0 prints and writes
+    assert written(err_0)
+    assert (run_dir / "params.msgpack").read_bytes() == (reference_dir / "params.msgpack").read_bytes()
+    assert metrics_without_timing(run_dir) == metrics_without_timing(reference_dir)  # the global metrics
+    assert [path.name for path in checkpoints(run_dir)] == [path.name for path in checkpoints(reference_dir)]
+    for resumed_checkpoint, reference_checkpoint in zip(checkpoints(run_dir), checkpoints(reference_dir)):
+        assert resumed_checkpoint.read_bytes() == reference_checkpoint.read_bytes()
+
+
+def test_distributed_refuses_a_device_count_that_leaves_out_a_process(tmp_path):
+    """--distributed spans every device of every process: --num-devices must be 0 (or that count)."""
+    env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "ppo_mlp.py"), "--distributed", "--coordinator-address", f"127.0.0.1:{free_port()}",
+         "--num-processes", "1", "--process-id", "0", "--num-devices", "2", "--run-dir", str(tmp_path / "run")],
+        capture_output=True, text=True, timeout=300, env={**env, "JAX_PLATFORMS": "cpu"}, cwd=ROOT,
+    )
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert result.stderr.startswith("error: --num-devices 2 with --distributed") and len(result.stderr.splitlines()) == 1
+    assert not (tmp_path / "run").exists()
