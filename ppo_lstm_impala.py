@@ -55,6 +55,7 @@ class Args:
     bootstrap_truncated: bool = True  # time-limit steps bootstrap from V(final_observation); off: as terminations
     sticky_action_prob: float = 0.0  # the env repeats its last executed action with this probability (MinAtar's own: 0.1)
     optimistic_reset_ratio: int = 1  # Craftax, XLand-MiniGrid: ceil(envs / R) new episodes per step (Craftax's PPO: 16)
+    env_params: tuple[str, ...] = ()  # KEY=VALUE fields of the env's params, e.g. memory_length=30 max_steps_in_episode=500
     norm_reward: bool = False  # rewards divided by the running std of a discounted return (gym's NormalizeReward)
 
     # --- optimisation (37 details: 3 Adam eps, 4 LR annealing, 6 minibatches) --------
@@ -998,7 +999,7 @@ def run(args: Args) -> dict[str, Any]:
     devices.start_distributed(args)  # --distributed: before anything starts JAX's backend
     cpu.avoid_cpu_qr_deadlock()  # CPU settings, before JAX starts its backend
     cpu.use_unrolled_threefry_on_cpu()
-    env, env_params = envs.make_env(args.env_id, args.sticky_action_prob, args.optimistic_reset_ratio)
+    env, env_params = envs.make_env(args.env_id, args.sticky_action_prob, args.optimistic_reset_ratio, args.env_params)
     check_observations(args, env, env_params)
     mesh = devices.make_mesh(args, args.sequence_length)
     session = sessions.Session(args, run_metric_names(env, env_params))  # checks --run-dir or --resume
@@ -1015,7 +1016,7 @@ def load_params(run_dir: str | Path) -> tuple[Args, Any]:
     """The run's Args and the final parameters of every seed (leading seed axis), from RUN_DIR alone."""
 
     def one_seed(args: Args) -> Any:
-        env, env_params = envs.make_env(args.env_id)
+        env, env_params = envs.make_env(args.env_id, param_values=args.env_params)
         network = make_network(args, env.action_space(env_params).n)
         return init_params(network, jax.random.key(0), args, stacked_obs_shape(env, env_params, args.frame_stack))
 

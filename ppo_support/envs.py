@@ -25,11 +25,14 @@ CRAFTAX_IDS = ("Craftax-Classic-Symbolic-v1", "Craftax-Classic-Pixels-v1", "Craf
 XMINIGRID_PREFIXES = ("MiniGrid-", "XLand-MiniGrid-")  # every id in xminigrid.registered_environments()
 
 
-def make_env(env_id: str, sticky_action_prob: float = 0.0, optimistic_reset_ratio: int = 1) -> tuple[Any, Any]:
+def make_env(
+    env_id: str, sticky_action_prob: float = 0.0, optimistic_reset_ratio: int = 1, param_values: tuple[str, ...] = ()
+) -> tuple[Any, Any]:
     """`env_id` is a gymnax id, a Craftax id (CRAFTAX_IDS), an XLand-MiniGrid id, or
     `module.path:Name` (an Environment subclass, or a zero-argument factory returning
     (env, env_params)). Wrapped in StickyActions only when sticky_action_prob > 0; a suite's env
-    resets optimistically (SuiteEnv.step_batch) when optimistic_reset_ratio > 1."""
+    resets optimistically (SuiteEnv.step_batch) when optimistic_reset_ratio > 1. param_values
+    (--env-params, KEY=VALUE each) replace fields of the env's params (set_params)."""
     # gymnax is imported where it is used: importing it builds arrays, which starts JAX's backend,
     # and --distributed must join the other processes before that (devices.start_distributed).
     import gymnax
@@ -55,13 +58,15 @@ def make_env(env_id: str, sticky_action_prob: float = 0.0, optimistic_reset_rati
         else:
             raise ConfigError(f"--env-id {env_id}: {attr_name!r} is neither an Environment class nor a factory")
     elif env_id in CRAFTAX_IDS:
-        env, env_params = craftax_env(env_id)
+        env, env_params = craftax_env(env_id, param_values)
     elif env_id.startswith(XMINIGRID_PREFIXES):
-        env, env_params = xminigrid_env(env_id)
+        env, env_params = xminigrid_env(env_id, param_values)
     else:
         if env_id not in gymnax.registered_envs:
             raise ConfigError(f"--env-id {env_id} is not a gymnax, Craftax or XLand-MiniGrid environment{did_you_mean(env_id)}")
         env, env_params = gymnax.make(env_id)
+    if not isinstance(env, SuiteEnv):  # a suite's env sets them itself, before it reads its observation shape
+        env_params = set_params(env_params, param_values, env_id)
     action_space = env.action_space(env_params)
     if not isinstance(action_space, spaces.Discrete):
         raise ConfigError(
@@ -124,6 +129,55 @@ class StickyActions:
 
     def observation_space(self, params: Any = None) -> Any:
         return self.env.observation_space(params)
+
+
+def set_params(env_params: Any, param_values: tuple[str, ...], env_id: str) -> Any:
+    """env_params with the fields that param_values (--env-params, KEY=VALUE each) name replaced.
+    Each VALUE is parsed as its field's current value's type: bool (true/false), int, float, or
+    a scalar array of that dtype. A ConfigError names an unknown field (listing the valid ones), a
+    value of the wrong type, a field given twice, or a field that is not a scalar."""
+    if not param_values:
+        return env_params
+    if not dataclasses.is_dataclass(env_params):
+        raise ConfigError(f"--env-params: the params of --env-id {env_id} ({type(env_params).__name__}) are not a dataclass")
+    fields = [field.name for field in dataclasses.fields(env_params)]
+    values = {}
+    for text in param_values:
+        key, equals, value = text.partition("=")
+        if not equals or not key:
+            raise ConfigError(f"--env-params takes KEY=VALUE, got {text!r}")
+        if key not in fields:
+            raise ConfigError(f"--env-params {text}: {type(env_params).__name__} of --env-id {env_id} has no field "
+                              f"{key!r}; its fields: {', '.join(fields)}")
+        if key in values:
+            raise ConfigError(f"--env-params sets {key} twice")
+        values[key] = parse_like(getattr(env_params, key), value, text)
+    return dataclasses.replace(env_params, **values)
+
+
+def parse_like(current: Any, value: str, text: str) -> Any:
+    """`value` as the type of `current` (a field's value); a ConfigError when it is not one."""
+    kinds = [(bool, "bool"), (int, "int"), (float, "float")]  # bool first: a bool is an int too
+    kind = next((name for python_type, name in kinds if isinstance(current, python_type)), None)
+    dtype = None
+    if kind is None and getattr(current, "shape", None) == ():
+        dtype = jnp.asarray(current).dtype
+        kind = {"b": "bool", "i": "int", "u": "int", "f": "float"}.get(dtype.kind)
+    if kind is None:
+        raise ConfigError(f"--env-params {text}: only scalar fields can be set (bool, int, float), and this one is "
+                          f"{type(current).__name__} {getattr(current, 'shape', '')}".rstrip())
+    try:
+        if kind == "bool":
+            if value.lower() not in ("true", "false"):
+                raise ValueError
+            parsed: Any = value.lower() == "true"
+        elif kind == "int":
+            parsed = int(value)
+        else:
+            parsed = float(value)
+    except ValueError:
+        raise ConfigError(f"--env-params {text}: {text.partition('=')[0]} is a {kind}, got {value!r}") from None
+    return parsed if dtype is None else jnp.asarray(parsed, dtype)
 
 
 def did_you_mean(env_id: str) -> str:
@@ -217,13 +271,13 @@ def where_done(done: jax.Array, reset: Any, stepped: Any) -> Any:
 ACHIEVEMENT_PREFIX = "achievement_"  # Craftax's achievements in info: achievement_<name>, 1 or 0
 
 
-def craftax_env(env_id: str) -> tuple[SuiteEnv, Any]:
+def craftax_env(env_id: str, param_values: tuple[str, ...] = ()) -> tuple[SuiteEnv, Any]:
     """Craftax (Matthews et al. 2024), made without its auto-reset and reset here. Its `done`
     includes the time limit (params.max_timesteps: 10,000 steps in Classic, 100,000 in Craftax):
     here game over (death, lava, the final boss beaten) terminates and the limit truncates.
     Generating a world costs about 40 steps: see --optimistic-reset-ratio in docs/env-suites.md."""
     craftax = import_suite("craftax.craftax_env", env_id).make_craftax_env_from_name(env_id, auto_reset=False)
-    env_params = craftax.default_params
+    env_params = set_params(craftax.default_params, param_values, env_id)
 
     def step_without_reset(key, state, action, params):
         final_obs, final_state, reward, done, craftax_info = craftax.step_env(key, state, action, params)
@@ -243,7 +297,7 @@ def craftax_env(env_id: str) -> tuple[SuiteEnv, Any]:
 XMINIGRID_DIRECTIONS = 4  # the agent faces one of 4 directions
 
 
-def xminigrid_env(env_id: str) -> tuple[SuiteEnv, Any]:
+def xminigrid_env(env_id: str, param_values: tuple[str, ...] = ()) -> tuple[SuiteEnv, Any]:
     """XLand-MiniGrid (Nikulin et al. 2024), whose TimeStep API does not reset, reset here. An
     episode terminates when it is won or lost (LAST with discount 0) and is truncated at
     params.max_steps (LAST with discount 1). Observation: the (V, V, 2) tile and colour ids of the
@@ -260,6 +314,7 @@ def xminigrid_env(env_id: str) -> tuple[SuiteEnv, Any]:
     from xminigrid.core.constants import NUM_COLORS, NUM_TILES
 
     minigrid, env_params = xminigrid.make(env_id)
+    env_params = set_params(env_params, param_values, env_id)
 
     def encode(timestep) -> jax.Array:
         ids = timestep.observation  # (V, V, 2) uint8: tile id, colour id

@@ -68,7 +68,7 @@ def evaluate(run_dir: Path, episodes: int, greedy: bool, seed: int, gif: Path | 
         raise UsageError(f"--gif {gif}: the file name must end in .gif")
     module, args, states = load_policy(run_dir, script)
     args = dataclasses.replace(args, eval_episodes=episodes, eval_greedy=greedy)
-    env, env_params = module.envs.make_env(args.env_id)
+    env, env_params = module.envs.make_env(args.env_id, param_values=args.env_params)
     videos = module.sessions.videos  # the script's own package's videos (its sessions records with them)
     render = videos.frame_renderer(args.env_id, env_params) if gif is not None else None
     if gif is not None and render is None:

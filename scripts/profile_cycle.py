@@ -62,7 +62,7 @@ def cycle_seconds(module, args, num_cycles: int, repeats: int) -> float:
     """The script's compiled train loop (one seed, no callbacks), per cycle."""
     import jax
 
-    env, env_params = module.envs.make_env(args.env_id, args.sticky_action_prob, args.optimistic_reset_ratio)
+    env, env_params = module.envs.make_env(args.env_id, args.sticky_action_prob, args.optimistic_reset_ratio, args.env_params)
     init, train = module.make_train(args, env, env_params)
     states = module.devices.stack_seeds([init(args.seed)])
     compiled = jax.jit(lambda s: train(s)).lower(states).compile()
@@ -154,7 +154,7 @@ def part_seconds(module, args, calls: int) -> list[tuple[str, str, float]]:
     import jax
     import jax.numpy as jnp
 
-    env, env_params = module.envs.make_env(args.env_id, args.sticky_action_prob, args.optimistic_reset_ratio)
+    env, env_params = module.envs.make_env(args.env_id, args.sticky_action_prob, args.optimistic_reset_ratio, args.env_params)
     num_actions = env.action_space(env_params).n
     network = module.make_network(args, num_actions)
     recurrent = hasattr(module, "evaluate_rollout")

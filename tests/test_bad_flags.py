@@ -63,6 +63,10 @@ COMMON = [
     (["--run-dir", ""], "--run-dir"),
     (["--resume", ""], "--resume"),
     (["--resume", "no/such/run"], "--resume"),
+    (["--env-params", "no_such_field=1"], "--env-params"),
+    (["--env-params", "max_steps_in_episode=many"], "--env-params"),
+    (["--env-params", "max_steps_in_episode"], "--env-params"),
+    (["--env-params", "max_steps_in_episode=5", "max_steps_in_episode=6"], "--env-params"),
     (["--coordinator-address", "127.0.0.1:1234", "--num-processes", "2", "--process-id", "0"], "--coordinator-address"),
     (["--process-id", "0"], "--process-id"),  # without --distributed
     (["--distributed", "--num-processes", "2"], "--num-processes"),  # the three go together
