@@ -1,5 +1,6 @@
 """PPO with an IMPALA CNN torso and an LSTM, for gymnax environments with (H, W, C) image
-observations (e.g. the MinAtar games) and discrete actions.
+observations (e.g. the MinAtar games) and discrete actions; with an MLP torso (--torso mlp, which
+--torso auto picks for them), for vector observations and any task that needs memory.
 
     python ppo_lstm_impala.py --env-id Breakout-MinAtar --num-seeds 5
 
@@ -42,7 +43,7 @@ class Args:
     """PPO with an IMPALA CNN and an LSTM, for gymnax environments with image observations."""
 
     # --- experiment -----------------------------------------------------------------
-    env_id: str = "Breakout-MinAtar"  # an image-observation gymnax id, or `module.path:Name` (see ppo_mlp.py)
+    env_id: str = "Breakout-MinAtar"  # a gymnax id (images: the IMPALA CNN; else --torso mlp), or `module.path:Name` (see ppo_mlp.py)
     exp_name: str = Path(__file__).stem  # name of the experiment, in the default run dir and the wandb run name
     seed: int = 1  # seed of the first run; seed i uses seed + i
     num_seeds: int = 1  # independent seeds trained together in one compiled program (jax.vmap)
@@ -79,9 +80,14 @@ class Args:
     mask_invalid_actions: bool = True  # if the env has `action_mask(env_state, env_params) -> bool (A,)`
 
     # --- network (37 details: 2 orthogonal init, 13 separate networks, 21 Nature CNN) ---
-    torso: Literal["impala", "nature"] = "impala"  # the CNN: IMPALA's (Espeholt et al. 2018) or the Nature DQN's (Mnih et al. 2015)
+    # the torso before the LSTM: IMPALA's CNN (Espeholt et al. 2018), the Nature DQN's (Mnih et al. 2015), or
+    # dense layers (--hidden-sizes, --activation, as ppo_mlp.py's) on the flattened observation; auto: impala
+    # for (H, W, C) images, mlp for every other observation (vectors: Craftax-Symbolic, bsuite's MemoryChain)
+    torso: Literal["auto", "impala", "nature", "mlp"] = "auto"
     impala_channels: tuple[int, ...] = (16, 32, 32)  # channels of the IMPALA stages (conv, max-pool, 2 residual blocks)
     torso_size: int = 256  # width of the dense layer after the IMPALA convolutions (--torso nature: 512, NATURE_DENSE_SIZE)
+    hidden_sizes: tuple[int, ...] = (64, 64)  # --torso mlp: its hidden layer widths
+    activation: Literal["tanh", "relu"] = "tanh"  # --torso mlp: its hidden activation
     lstm_size: int = 256  # LSTM width; 0: no LSTM, a feed-forward IMPALA network (IMPALA-FF)
     # bptt: minibatches of whole env sequences, replayed from the rollout's first carry, with
     # gradients through time; stored: single transitions, each a one-step forward from the carry
@@ -345,22 +351,45 @@ class ResettingLSTM(nn.Module):
         return new_carry, (new_carry, output)
 
 
+class MLP(nn.Module):
+    hidden_sizes: tuple[int, ...]
+    activation: str
+    orthogonal_init: bool
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        activation = {"tanh": nn.tanh, "relu": nn.relu}[self.activation]
+        for width in self.hidden_sizes:
+            x = activation(dense(width, HIDDEN_GAIN, self.orthogonal_init)(x))
+        return x
+
+
+def resolved_torso(torso: str, obs_shape: tuple[int, ...]) -> str:
+    """--torso auto: impala for (H, W, C) images, mlp for every other observation."""
+    return torso if torso != "auto" else "impala" if len(obs_shape) == 3 else "mlp"
+
+
 class Core(nn.Module):
-    """IMPALA (or Nature) torso, then (unless lstm_size is 0) an LSTM scanned over time."""
+    """IMPALA, Nature or MLP torso, then (unless lstm_size is 0) an LSTM scanned over time."""
 
     torso: str
     impala_channels: tuple[int, ...]
     torso_size: int
+    hidden_sizes: tuple[int, ...]
+    activation: str
     lstm_size: int
     orthogonal_init: bool
 
     @nn.compact
     def __call__(self, carry: jax.Array, obs: jax.Array, episode_start: jax.Array):
-        """carry (B, 2 * lstm_size), obs (T, B, H, W, C), episode_start (T, B) ->
+        """carry (B, 2 * lstm_size), obs (T, B, *obs_shape), episode_start (T, B) ->
         carry after each step (T, B, 2 * lstm_size), features (T, B, F)"""
         num_steps, num_sequences = obs.shape[:2]
         flat_obs = obs.reshape(num_steps * num_sequences, *obs.shape[2:]).astype(jnp.float32)
-        if self.torso == "nature":
+        torso = resolved_torso(self.torso, obs.shape[2:])
+        if torso == "mlp":
+            features = MLP(self.hidden_sizes, self.activation, self.orthogonal_init)(flat_obs.reshape(len(flat_obs), -1))
+        elif torso == "nature":
             features = NatureTorso(self.orthogonal_init)(flat_obs)
         else:
             features = ImpalaTorso(self.impala_channels, self.torso_size, self.orthogonal_init)(flat_obs)
@@ -380,12 +409,15 @@ class ActorCritic(nn.Module):
     torso: str
     impala_channels: tuple[int, ...]
     torso_size: int
+    hidden_sizes: tuple[int, ...]
+    activation: str
     lstm_size: int
     orthogonal_init: bool
     separate_critic: bool
 
     def setup(self):
-        core = lambda: Core(self.torso, self.impala_channels, self.torso_size, self.lstm_size, self.orthogonal_init)  # noqa: E731
+        core = lambda: Core(self.torso, self.impala_channels, self.torso_size, self.hidden_sizes, self.activation,  # noqa: E731
+                            self.lstm_size, self.orthogonal_init)
         self.actor_core = core()
         self.critic_core = core() if self.separate_critic else self.actor_core
         self.actor_head = dense(self.num_actions, ACTOR_HEAD_GAIN, self.orthogonal_init)
@@ -422,8 +454,8 @@ def log_prob_and_entropy(logits: jax.Array, action: jax.Array) -> tuple[jax.Arra
 
 def make_network(args: Args, num_actions: int) -> ActorCritic:
     return ActorCritic(
-        num_actions, args.torso, tuple(args.impala_channels), args.torso_size, args.lstm_size, args.orthogonal_init,
-        args.separate_critic,
+        num_actions, args.torso, tuple(args.impala_channels), args.torso_size, tuple(args.hidden_sizes), args.activation,
+        args.lstm_size, args.orthogonal_init, args.separate_critic,
     )
 
 
@@ -436,16 +468,17 @@ def init_params(network: ActorCritic, key: jax.Array, args: Args, obs_shape: tup
 # To hack: the network above, the loss in loss_fn, the optimizer in make_optimizer, the logged
 # metrics at the end of train_cycle; the environments are envs.make_env's (ppo_support/envs.py).
 def stacked_obs_shape(env: Any, env_params: Any, frame_stack: int) -> tuple[int, ...]:
-    height, width, channels = env.observation_space(env_params).shape
-    return (height, width, channels * frame_stack)
+    """The last K observations along the last axis: (H, W, C * K) for images, (D * K,) for vectors."""
+    *leading, channels = env.observation_space(env_params).shape
+    return (*leading, channels * frame_stack)
 
 
 def push_frame(stack: jax.Array, frame: jax.Array, episode_start: jax.Array) -> jax.Array:
-    """stack (N, H, W, C * K), frame (N, H, W, C) -> the new stack, newest frame last. At an
+    """stack (N, ..., C * K), frame (N, ..., C) -> the new stack, newest frame last. At an
     episode start the stack is zeros except the newest frame (no frames of the last episode)."""
     channels = frame.shape[-1]
     older = stack[..., channels:]  # drops the oldest frame; empty when K = 1
-    older = jnp.where(episode_start[:, None, None, None], jnp.zeros_like(older), older)
+    older = jnp.where(episode_start.reshape(-1, *[1] * (frame.ndim - 1)), jnp.zeros_like(older), older)
     return jnp.concatenate([older, frame.astype(jnp.float32)], axis=-1)
 
 
@@ -967,17 +1000,20 @@ def validate_args(args: Args) -> None:
         )
     if not args.impala_channels or min(args.impala_channels) <= 0:
         raise cli.ConfigError(f"--impala-channels must be one or more positive integers, got {args.impala_channels}")
+    if not args.hidden_sizes or min(args.hidden_sizes) <= 0:
+        raise cli.ConfigError(f"--hidden-sizes must be one or more positive integers, got {args.hidden_sizes}")
     if args.lstm_size < 0:
         raise cli.ConfigError(f"--lstm-size must be >= 0 (0: no LSTM), got {args.lstm_size}")
 
 
 def check_observations(args: Args, env: Any, env_params: Any) -> None:
-    """Images (H, W, C); with --torso nature, of at least SMALL_NATURE_MIN_SIDE px a side."""
+    """--torso impala and nature take (H, W, C) images, nature of at least SMALL_NATURE_MIN_SIDE px
+    a side; mlp (and auto) any observation."""
     obs_shape = tuple(env.observation_space(env_params).shape)
-    if len(obs_shape) != 3:
+    if args.torso in ("impala", "nature") and len(obs_shape) != 3:
         raise cli.ConfigError(
-            f"--env-id {args.env_id} has observations of shape {obs_shape}; {Path(__file__).name} "
-            f"needs (H, W, C) images, use ppo_mlp.py"
+            f"--torso {args.torso} needs (H, W, C) images; --env-id {args.env_id} has observations of shape "
+            f"{obs_shape} (use --torso mlp, or auto)"
         )
     if args.torso == "nature" and min(obs_shape[:2]) < SMALL_NATURE_MIN_SIDE:
         raise cli.ConfigError(

@@ -167,6 +167,12 @@ class Memory(_Probe):
         return state.time >= self.DELAY + 2
 
 
+class MemoryVector(Memory):
+    """Memory with vector observations (cue one-hot, query flag), for ppo_lstm_impala.py's MLP torso."""
+
+    obs_shape = (Memory.NUM_CUES + 1,)
+
+
 class ConstantRewardImage(ConstantReward):
     obs_shape = (3, 3, 1)
 

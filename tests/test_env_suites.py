@@ -342,10 +342,10 @@ def test_an_xland_id_that_needs_a_downloaded_ruleset_is_refused(module, capsys, 
     assert "ruleset" in line and "xminigrid.load_benchmark" in line and "download" in line
 
 
-def test_a_symbolic_craftax_env_is_refused_by_the_impala_script(capsys, tmp_path):
+def test_a_symbolic_craftax_env_is_refused_by_the_impala_torso(capsys, tmp_path):
     pytest.importorskip("craftax")
-    line = main_error(ppo_lstm_impala, ["--env-id", CRAFTAX_ID], capsys, tmp_path)
-    assert "(1345,)" in line and "ppo_mlp.py" in line
+    line = main_error(ppo_lstm_impala, ["--env-id", CRAFTAX_ID, "--torso", "impala"], capsys, tmp_path)
+    assert "(1345,)" in line and "--torso impala needs (H, W, C) images" in line and "--torso mlp" in line
 
 
 @pytest.mark.parametrize(
@@ -384,6 +384,21 @@ def test_craftax_classic_symbolic_trains_with_ppo_mlp_and_logs_achievements_and_
         rates = np.array([row[name] for name in achievements])
         assert len(rates) == 22 and ((rates >= 0) & (rates <= 1)).all()
         assert row["env/score"] == pytest.approx(np.exp(np.log1p(100 * rates).mean()) - 1, rel=1e-4)
+
+
+def test_craftax_classic_symbolic_trains_with_ppo_lstm_impala_on_its_mlp_torso(tmp_path):
+    """Craftax_Baselines' PPO-RNN workload, tiny: a vector observation, so --torso auto is mlp."""
+    pytest.importorskip("craftax")
+    run_dir = tmp_path / "craftax-rnn"
+    args = ppo_lstm_impala.Args(
+        env_id=CRAFTAX_ID, hidden_sizes=(16,), lstm_size=16, num_parallel_envs=16, num_env_steps_per_cycle=32,
+        num_minibatches_per_epoch=2, num_epochs_per_cycle=1, num_total_env_steps=2 * 16 * 32, run_dir=str(run_dir),
+        optimistic_reset_ratio=4,
+    )
+    summary = ppo_lstm_impala.run(args)
+    assert not summary["failures"]
+    rows = read_metrics(run_dir)
+    assert [row["cycle"] for row in rows] == [1, 2] and all("env/score" in row for row in rows)
 
 
 def test_minigrid_memory_trains_with_ppo_lstm_impala_and_logs_success(tmp_path):

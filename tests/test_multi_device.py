@@ -133,8 +133,9 @@ def test_lstm_envs_that_do_not_split_into_whole_sequences_per_device_are_refused
 
 
 # One update_cycle on one device and on two, in one process with 2 simulated devices: see
-# tests/two_devices.py. The ppo_lstm_impala.py configs are its three networks.
-UPDATE_CASES = [("ppo_mlp", "cartpole"), ("ppo_lstm_impala", "bptt"), ("ppo_lstm_impala", "stored"), ("ppo_lstm_impala", "feed-forward")]
+# tests/two_devices.py. The ppo_lstm_impala.py configs are its three networks, and its MLP torso.
+UPDATE_CASES = [("ppo_mlp", "cartpole"), ("ppo_lstm_impala", "bptt"), ("ppo_lstm_impala", "stored"), ("ppo_lstm_impala", "feed-forward"),
+                ("ppo_lstm_impala", "mlp-torso")]
 
 
 @pytest.mark.parametrize("script, config", UPDATE_CASES)
@@ -154,7 +155,8 @@ def test_two_devices_update_as_one_device_does_on_the_same_global_batch(tmp_path
         np.testing.assert_allclose(results[f"two/{name}"], results[f"one/{name}"], rtol=1e-5, atol=1e-6, err_msg=name)
 
 
-@pytest.mark.parametrize("script, config", [("ppo_mlp", "clock"), ("ppo_lstm_impala", "feed-forward")])
+@pytest.mark.parametrize("script, config", [("ppo_mlp", "clock"), ("ppo_lstm_impala", "feed-forward"),
+                ("ppo_lstm_impala", "mlp-torso")])
 def test_the_two_devices_halves_of_a_rollout_draw_different_random_numbers(tmp_path, script, config):
     # Every env of the Clock probe resets to the same observation, so devices that drew the same
     # sampling noise would take the same actions.

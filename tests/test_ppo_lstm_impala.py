@@ -405,6 +405,23 @@ def test_memory_task_needs_the_lstm(tmp_path):
     assert feed_forward["final_episodic_return"] < 0.65
 
 
+def test_vector_observations_get_the_mlp_torso_and_the_lstm_remembers(tmp_path):
+    """The same task with vector observations: --torso auto picks the MLP torso (its parameters
+    are dense layers only); bptt and stored solve it, the feed-forward network stays at chance."""
+    task = {**MEMORY_TASK, "env_id": "probe_envs:MemoryVector", "hidden_sizes": (32,)}
+    env, env_params = envs.make_env(task["env_id"])
+    params = ppo.init_params(ppo.make_network(tiny_args(tmp_path, **task), 2), jax.random.key(0), tiny_args(tmp_path, **task),
+                             ppo.stacked_obs_shape(env, env_params, 1))
+    layer_names = {name for path in jax.tree_util.tree_flatten_with_path(params)[0] for name in map(str, path[0])}
+    assert any("MLP" in name for name in layer_names) and not any("Impala" in name for name in layer_names)
+    bptt = ppo.run(tiny_args(tmp_path, "bptt", **task, eval_every_cycles=39))
+    stored = ppo.run(tiny_args(tmp_path, "stored", **task, lstm_training="stored", frame_stack=2))
+    feed_forward = ppo.run(tiny_args(tmp_path, "ff", **{**task, "lstm_size": 0}))
+    assert bptt["final_episodic_return"] >= 0.9 and bptt["final_eval_return"] >= 0.9
+    assert stored["final_episodic_return"] >= 0.9
+    assert feed_forward["final_episodic_return"] < 0.65
+
+
 # ======================================================================================
 # CLI
 # ======================================================================================
@@ -413,7 +430,9 @@ def test_memory_task_needs_the_lstm(tmp_path):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--env-id", "CartPole-v1"], "ppo_mlp.py"),
+        (["--env-id", "CartPole-v1", "--torso", "impala"], "--torso"),  # vectors need --torso mlp (or auto)
+        (["--env-id", "CartPole-v1", "--torso", "nature"], "--torso"),
+        (["--env-id", "CartPole-v1", "--hidden-sizes", "0"], "--hidden-sizes"),
         (["--num-parallel-envs", "6", "--num-minibatches-per-epoch", "4"], "--num-minibatches-per-epoch"),
         (["--env-id", "Breakout-MinAtr"], "Breakout-MinAtar"),
         (["--env-id", "probe_envs:ContinuousActions"], "discrete"),

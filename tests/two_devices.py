@@ -38,6 +38,7 @@ CONFIGS = {
         "bptt": IMAGE,
         "stored": dict(IMAGE, lstm_training="stored"),
         "feed-forward": dict(IMAGE, lstm_size=0),
+        "mlp-torso": dict(IMAGE, env_id="probe_envs:Clock", hidden_sizes=(16,)),  # vector observations: --torso auto is mlp
     },
 }
 MODULES = {"ppo_mlp": ppo_mlp, "ppo_lstm_impala": ppo_lstm_impala}
