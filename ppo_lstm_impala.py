@@ -94,6 +94,7 @@ class Args:
     # stored during the rollout (no gradient through time, more memory)
     lstm_training: Literal["bptt", "stored"] = "bptt"
     separate_critic: bool = False  # the critic gets its own torso and LSTM, instead of sharing the actor's
+    prev_action_reward: bool = False  # the LSTM also gets the previous action (one-hot) and raw reward; zeros at an episode start
     frame_stack: int = 1  # stack the last K observations along the channel axis
     orthogonal_init: bool = True  # gains sqrt(2) convs/dense, 1 LSTM, 0.01 actor, 1 critic, zero biases; off: flax's
 
@@ -170,6 +171,7 @@ class Transition(NamedTuple):
     truncated: jax.Array  # (T, N) bool
     final_obs: jax.Array  # (T, N, *obs_shape)
     action_mask: jax.Array | None  # (T, N, A) bool, or None when actions are not masked
+    prev_action_reward: jax.Array | None = None  # (T, N, A + 1) the LSTM's extra input with obs[t] (EnvCarry's), or None
 
 
 class Batch(NamedTuple):
@@ -187,6 +189,7 @@ class Batch(NamedTuple):
     advantage: jax.Array
     target: jax.Array  # GAE return, the value target
     action_mask: jax.Array | None  # (L, S, A) bool, or None
+    prev_action_reward: jax.Array | None = None  # (L, S, A + 1), or None
 
 
 class EnvCarry(NamedTuple):
@@ -199,6 +202,9 @@ class EnvCarry(NamedTuple):
     episode_return: jax.Array  # (N,) running return of the unfinished episode
     episode_length: jax.Array  # (N,)
     discounted_return: jax.Array  # (N,) --norm-reward's running discounted return, zeroed after an episode ends
+    # --prev-action-reward: (N, A + 1) the previous action one-hot and its raw reward (before --norm-reward),
+    # zeros where obs starts an episode; the LSTM's input with obs. None without the flag.
+    prev_action_reward: jax.Array | None = None
 
 
 # --norm-reward (37 details: 30): running statistics, as gym's wrapper keeps them.
@@ -381,9 +387,10 @@ class Core(nn.Module):
     orthogonal_init: bool
 
     @nn.compact
-    def __call__(self, carry: jax.Array, obs: jax.Array, episode_start: jax.Array):
-        """carry (B, 2 * lstm_size), obs (T, B, *obs_shape), episode_start (T, B) ->
-        carry after each step (T, B, 2 * lstm_size), features (T, B, F)"""
+    def __call__(self, carry: jax.Array, obs: jax.Array, episode_start: jax.Array, prev_action_reward: jax.Array | None = None):
+        """carry (B, 2 * lstm_size), obs (T, B, *obs_shape), episode_start (T, B), and with
+        --prev-action-reward prev_action_reward (T, B, A + 1) -> carry after each step
+        (T, B, 2 * lstm_size), features (T, B, F)"""
         num_steps, num_sequences = obs.shape[:2]
         flat_obs = obs.reshape(num_steps * num_sequences, *obs.shape[2:]).astype(jnp.float32)
         torso = resolved_torso(self.torso, obs.shape[2:])
@@ -396,6 +403,8 @@ class Core(nn.Module):
         features = features.reshape(num_steps, num_sequences, -1)  # the torso runs batched over T
         if self.lstm_size == 0:  # IMPALA-FF: an empty carry, made from the input one so that it keeps
             return jnp.broadcast_to(carry, (num_steps, *carry.shape)), features  # its type under shard_map
+        if prev_action_reward is not None:  # the LSTM's input: the torso's features, the previous action and reward
+            features = jnp.concatenate([features, prev_action_reward], axis=-1)
         scanned_lstm = nn.scan(ResettingLSTM, variable_broadcast="params", split_rngs={"params": False})
         _, (carries, features) = scanned_lstm(self.lstm_size, self.orthogonal_init)(carry, (features, episode_start))
         return carries, features
@@ -423,16 +432,16 @@ class ActorCritic(nn.Module):
         self.actor_head = dense(self.num_actions, ACTOR_HEAD_GAIN, self.orthogonal_init)
         self.critic_head = dense(1, CRITIC_HEAD_GAIN, self.orthogonal_init)
 
-    def __call__(self, carry: jax.Array, obs: jax.Array, episode_start: jax.Array):
+    def __call__(self, carry: jax.Array, obs: jax.Array, episode_start: jax.Array, prev_action_reward: jax.Array | None = None):
         """carry (B, carry_size) before the first step's reset, obs (T, B, *obs_shape),
-        episode_start (T, B) -> carry after each step (T, B, carry_size), logits (T, B, A),
-        value (T, B)"""
+        episode_start (T, B), prev_action_reward (T, B, A + 1) or None -> carry after each step
+        (T, B, carry_size), logits (T, B, A), value (T, B)"""
         if not self.separate_critic:
-            carries, features = self.actor_core(carry, obs, episode_start)
+            carries, features = self.actor_core(carry, obs, episode_start, prev_action_reward)
             return carries, self.actor_head(features), self.critic_head(features)[..., 0]
         actor_carry, critic_carry = jnp.split(carry, 2, axis=-1)
-        actor_carries, actor_features = self.actor_core(actor_carry, obs, episode_start)
-        critic_carries, critic_features = self.critic_core(critic_carry, obs, episode_start)
+        actor_carries, actor_features = self.actor_core(actor_carry, obs, episode_start, prev_action_reward)
+        critic_carries, critic_features = self.critic_core(critic_carry, obs, episode_start, prev_action_reward)
         carries = jnp.concatenate([actor_carries, critic_carries], axis=-1)
         return carries, self.actor_head(actor_features), self.critic_head(critic_features)[..., 0]
 
@@ -461,7 +470,8 @@ def make_network(args: Args, num_actions: int) -> ActorCritic:
 
 def init_params(network: ActorCritic, key: jax.Array, args: Args, obs_shape: tuple[int, ...]) -> Any:
     carry = jnp.zeros((1, args.carry_size), jnp.float32)
-    return network.init(key, carry, jnp.zeros((1, 1, *obs_shape), jnp.float32), jnp.zeros((1, 1), bool))
+    prev_action_reward = jnp.zeros((1, 1, network.num_actions + 1), jnp.float32) if args.prev_action_reward else None
+    return network.init(key, carry, jnp.zeros((1, 1, *obs_shape), jnp.float32), jnp.zeros((1, 1), bool), prev_action_reward)
 
 
 # --- PPO, in run order: rollout, GAE, loss, minibatch update, epochs, cycle, make_train -------
@@ -494,7 +504,22 @@ def reset_envs(key: jax.Array, env: Any, env_params: Any, num_envs: int, args: A
     stack = jnp.zeros((num_envs, *stacked_obs_shape(env, env_params, args.frame_stack)), jnp.float32)
     lstm_carry = jnp.zeros((num_envs, args.carry_size), jnp.float32)
     zeros = jnp.zeros((num_envs,), jnp.float32)
-    return EnvCarry(env_state, push_frame(stack, frame, starts), starts, lstm_carry, zeros, jnp.zeros((num_envs,), jnp.int32), zeros)
+    prev_action_reward = jnp.zeros((num_envs, env.action_space(env_params).n + 1), jnp.float32) if args.prev_action_reward else None
+    return EnvCarry(env_state, push_frame(stack, frame, starts), starts, lstm_carry, zeros, jnp.zeros((num_envs,), jnp.int32), zeros,
+                    prev_action_reward)
+
+
+def next_prev_action_reward(prev_action_reward: jax.Array | None, action: jax.Array, reward: jax.Array, done: jax.Array):
+    """--prev-action-reward: the LSTM's extra input with the next observation, (N, A + 1): this
+    step's action one-hot and raw reward, zeros where the next observation starts an episode."""
+    if prev_action_reward is None:
+        return None
+    this_step = jnp.concatenate([jax.nn.one_hot(action, prev_action_reward.shape[-1] - 1), reward[:, None]], axis=-1)
+    return jnp.where(done[:, None], 0.0, this_step.astype(jnp.float32))
+
+
+def with_time_axis(x: jax.Array | None) -> jax.Array | None:
+    return None if x is None else x[None]
 
 
 def collect_rollout(
@@ -513,7 +538,8 @@ def collect_rollout(
 
     def step(carry: EnvCarry, step_input):
         step_gumbel, step_keys = step_input
-        lstm_carries, logits, _ = network.apply(params, carry.lstm_carry, carry.obs[None], carry.episode_start[None])
+        lstm_carries, logits, _ = network.apply(params, carry.lstm_carry, carry.obs[None], carry.episode_start[None],
+                                                with_time_axis(carry.prev_action_reward))
         action_mask = jax.vmap(env.action_mask, in_axes=(0, None))(carry.env_state, env_params) if mask_actions else None
         action = jnp.argmax(masked(logits[0], action_mask) + step_gumbel, axis=-1)  # Gumbel-max = categorical sample
         stepped = envs.step_envs(env, step_keys, carry.env_state, action, env_params)
@@ -529,18 +555,28 @@ def collect_rollout(
         finished = {name: jnp.where(done, value.astype(jnp.float32), jnp.nan) for name, value in episode_end.items()}
         new_carry = EnvCarry(  # the carry reset itself happens in the next forward pass, from episode_start
             env_state, next_obs, done, lstm_carries[0], jnp.where(done, 0.0, episode_return), jnp.where(done, 0, episode_length),
-            carry.discounted_return,
+            carry.discounted_return, next_prev_action_reward(carry.prev_action_reward, action, reward, done),
         )
         stored_carry = reset_carry(carry.lstm_carry, carry.episode_start) if store_carries else carry.lstm_carry[:, :0]
         transition = Transition(
             obs=carry.obs, episode_start=carry.episode_start, carry=stored_carry, action=action,
             reward=reward.astype(jnp.float32), terminated=terminated, truncated=truncated, final_obs=final_obs,
-            action_mask=action_mask,
+            action_mask=action_mask, prev_action_reward=carry.prev_action_reward,
         )
         return new_carry, (transition, finished)
 
     env_carry, (transitions, finished) = jax.lax.scan(step, env_carry, (gumbel, env_keys))
     return env_carry, transitions, finished
+
+
+def final_prev_action_reward(transitions: Transition) -> jax.Array | None:
+    """--prev-action-reward: the LSTM's extra input with final_obs[t], (1, T * N, A + 1): step t's
+    action and raw reward (final_obs continues step t's episode), never reset."""
+    if transitions.prev_action_reward is None:
+        return None
+    num_actions = transitions.prev_action_reward.shape[-1] - 1
+    this_step = jnp.concatenate([jax.nn.one_hot(transitions.action, num_actions), transitions.reward[..., None]], axis=-1)
+    return this_step.reshape(1, -1, num_actions + 1)
 
 
 def evaluate_rollout(
@@ -563,8 +599,10 @@ def evaluate_rollout(
         sequence_carry = transitions.carry.reshape(num_steps * num_envs, args.carry_size)
         sequence_start = jnp.zeros(sequence_shape, bool)
 
+    prev_action_reward = None if transitions.prev_action_reward is None else to_sequences(transitions.prev_action_reward)
     carries, logits, value = forward_in_minibatches(
-        params, sequence_carry, to_sequences(transitions.obs), sequence_start, network, args.num_minibatches_per_epoch
+        params, sequence_carry, to_sequences(transitions.obs), sequence_start, network, args.num_minibatches_per_epoch,
+        prev_action_reward,
     )
     action_mask = None if transitions.action_mask is None else to_sequences(transitions.action_mask)
     logp, _ = log_prob_and_entropy(masked(logits, action_mask), to_sequences(transitions.action))
@@ -575,6 +613,7 @@ def evaluate_rollout(
         jnp.zeros((1, num_steps * num_envs), bool),
         network,
         args.num_minibatches_per_epoch,
+        final_prev_action_reward(transitions),  # the final observation's: its own step's action and reward
     )
     return sequence_carry, sequence_start, logp, value, next_value.reshape(num_steps, num_envs)
 
@@ -696,7 +735,7 @@ def ppo_loss_terms(
 def loss_fn(params: Any, batch: Batch, clip_eps: jax.Array, network: ActorCritic, args: Args, axis_name: str | None):
     # bptt: replays whole sequences from their first carry with the rollout's resets (gradients
     # flow through time); stored: a one-step forward from each transition's stored carry.
-    _, logits, new_value = network.apply(params, batch.carry, batch.obs, batch.episode_start)
+    _, logits, new_value = network.apply(params, batch.carry, batch.obs, batch.episode_start, batch.prev_action_reward)
     new_logp, entropy = log_prob_and_entropy(masked(logits, batch.action_mask), batch.action)
     policy_loss, value_loss, metrics = ppo_loss_terms(new_logp, entropy, new_value, batch, clip_eps, args.clip_vloss,
                                                       args.norm_adv, axis_name)
@@ -781,7 +820,8 @@ def sequence_axes(batch: Batch) -> Batch:
 
 
 def forward_in_minibatches(
-    params: Any, carry: jax.Array, obs: jax.Array, episode_start: jax.Array, network: ActorCritic, num_minibatches: int
+    params: Any, carry: jax.Array, obs: jax.Array, episode_start: jax.Array, network: ActorCritic, num_minibatches: int,
+    prev_action_reward: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The loss's forward pass over all S sequences, one minibatch-sized group at a time:
     carry (S, C), obs (L, S, ...), episode_start (L, S) -> carries (L, S, C), logits (L, S, A),
@@ -791,6 +831,7 @@ def forward_in_minibatches(
         split_sequences(carry, 0, num_minibatches),
         split_sequences(obs, 1, num_minibatches),
         split_sequences(episode_start, 1, num_minibatches),
+        None if prev_action_reward is None else split_sequences(prev_action_reward, 1, num_minibatches),
     )
     carries, logits, value = jax.lax.map(lambda group: network.apply(params, *group), groups)
     return merge_sequences(carries, 1), merge_sequences(logits, 1), merge_sequences(value, 1)
@@ -886,6 +927,7 @@ def train_cycle(
         obs=to_sequences(transitions.obs), episode_start=sequence_start, carry=sequence_carry,
         action=to_sequences(transitions.action), logp=logp, value=value, advantage=to_sequences(advantage),
         target=to_sequences(target), action_mask=action_mask,
+        prev_action_reward=None if transitions.prev_action_reward is None else to_sequences(transitions.prev_action_reward),
     )
     params, opt_state, metrics, non_finite = update_cycle(
         state.params, state.opt_state, batch, update_key, state.cycle, state.non_finite, network, optimizer, args, axis_name
@@ -909,7 +951,8 @@ def eval_step(
     as in training)."""
     env_carry = carry.env
     key, action_key, env_key = jax.random.split(carry.key, 3)
-    lstm_carries, logits, _ = network.apply(params, env_carry.lstm_carry, env_carry.obs[None], env_carry.episode_start[None])
+    lstm_carries, logits, _ = network.apply(params, env_carry.lstm_carry, env_carry.obs[None], env_carry.episode_start[None],
+                                            with_time_axis(env_carry.prev_action_reward))
     logits = logits[0]
     mask_actions = uses_action_mask(args, env)
     action_mask = jax.vmap(env.action_mask, in_axes=(0, None))(env_carry.env_state, env_params) if mask_actions else None
@@ -924,6 +967,7 @@ def eval_step(
     env_carry = env_carry._replace(  # the carry reset itself happens in the next forward pass, from episode_start
         env_state=env_state, obs=push_frame(env_carry.obs, next_frame, done), episode_start=done,
         lstm_carry=lstm_carries[0], episode_return=episode_return, episode_length=env_carry.episode_length + running,
+        prev_action_reward=next_prev_action_reward(env_carry.prev_action_reward, action, reward, done),
     )
     return evaluation.EvalCarry(env_carry, carry.finished | done, key, carry.num_steps + 1)
 
@@ -1004,6 +1048,8 @@ def validate_args(args: Args) -> None:
         raise cli.ConfigError(f"--hidden-sizes must be one or more positive integers, got {args.hidden_sizes}")
     if args.lstm_size < 0:
         raise cli.ConfigError(f"--lstm-size must be >= 0 (0: no LSTM), got {args.lstm_size}")
+    if args.prev_action_reward and args.lstm_size == 0:
+        raise cli.ConfigError("--prev-action-reward feeds the LSTM, and --lstm-size 0 has none")
 
 
 def check_observations(args: Args, env: Any, env_params: Any) -> None:
