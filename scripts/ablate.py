@@ -87,8 +87,8 @@ DETAILS = (
     Detail("norm-reward", ("norm_reward",), lambda default: not default, "reward scaling toggled (37 details: 30)"),
     Detail("sticky-actions", ("sticky_action_prob",), lambda default: 0.1 if default == 0 else 0.0,
            "sticky actions with p = 0.1 (MinAtar's own default; vs none)"),
-    Detail("torso", ("torso",), lambda default: "nature" if default == "impala" else "impala",
-           "Nature CNN vs IMPALA CNN torso (37 details: 21)"),
+    Detail("torso", ("torso",), lambda default: "impala" if default == "nature" else "nature",
+           "Nature CNN vs IMPALA CNN torso (37 details: 21)"),  # --torso auto is impala on images
 )
 DETAIL_NAMES = [detail.name for detail in DETAILS]
 
