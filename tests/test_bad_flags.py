@@ -99,8 +99,10 @@ ONLY = {
         (["--lstm-training", "tbptt"], "--lstm-training"),
         (["--frame-stack", "0"], "--frame-stack"),
         (["--num-parallel-envs", "6", "--num-minibatches-per-epoch", "4"], "--num-minibatches-per-epoch"),  # bptt
-        (["--env-id", "CartPole-v1"], "--env-id"),  # vector observations
-        (["--hidden-sizes", "64"], "--hidden-sizes"),  # the other script's flag
+        (["--env-id", "CartPole-v1", "--torso", "impala"], "--torso"),  # vector observations need --torso mlp (or auto)
+        (["--hidden-sizes", "64", "0"], "--hidden-sizes"),  # --torso mlp's widths
+        (["--activation", "sigmoid"], "--activation"),
+        (["--lstm-size", "0", "--prev-action-reward"], "--prev-action-reward"),  # no LSTM to feed
         (["--norm-obs"], "--norm-obs"),  # ppo_mlp.py's flag: image observations are not normalised
         (["--torso", "resnet"], "--torso"),
         (["--torso", "nature", "--env-id", "probe_envs:ConstantRewardImage"], "--torso nature"),  # 3x3 images
