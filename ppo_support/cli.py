@@ -153,7 +153,7 @@ def main(parse_and_run: Callable[[], dict[str, Any]]) -> int:
         summary = parse_and_run()
     except ConfigError as error:  # bad input: nothing was written
         return leave(2, error)
-    except (WriteError, OSError, devices.ProcessLost) as error:  # the run dir could not be written (disk full, ...)
+    except (WriteError, OSError, devices.ProcessLost) as error:  # an unwritable run dir (disk full, ...), a lost process
         return leave(1, error)
     return leave(1 if summary["failures"] else 0)
 

@@ -78,7 +78,6 @@ class Session:
             write_error = self.checkpointer.error or self.logger.error
             if write_error is None:
                 devices.raise_if_a_process_was_lost(error)
-            if write_error is None:
                 raise
             raise write_error from None
         finally:
