@@ -13,6 +13,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
+from . import rundir
 from .errors import ConfigError
 
 DEVICE_AXIS = "devices"  # the shard_map axis that splits the parallel envs across devices
@@ -123,8 +124,7 @@ def fetch(tree: Any) -> Any:
     --distributed, every process gathers the shards of every other (PRNG keys as their key data)."""
     if jax.process_count() == 1:
         return tree
-    as_data = lambda x: jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x  # noqa: E731
-    return multihost_utils.process_allgather(jax.tree.map(as_data, tree), tiled=True)
+    return multihost_utils.process_allgather(jax.tree.map(rundir.key_data_or_array, tree), tiled=True)
 
 
 def start_distributed(args: Any) -> None:
