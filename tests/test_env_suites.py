@@ -165,6 +165,72 @@ def test_minigrid_memory_end_is_terminated_and_success_says_which_object(memory)
     assert (state.state.step_num == 0).all()
 
 
+
+TURN_LEFT = 2  # XLand-MiniGrid's actions: 0 forward, 1 turn clockwise, 2 turn counter-clockwise
+NORTH, EAST, SOUTH, WEST = 0, 1, 2, 3  # its directions; MemoryS8 (7 x 8): the corridor is row 3,
+ANY_OBJECT = 99  # the cue of a policy that does not look for it: it takes the upper object
+CORRIDOR_END = 6  # the start room with the cue at (2, 1) on its west, the two objects at (1, 6), (5, 6)
+
+
+def seen_object(obs: np.ndarray) -> np.ndarray:
+    """Per env, the ball's or key's tile id somewhere in the adapter's observation of its view
+    (-1 for neither), read from the one-hot tile channels."""
+    from xminigrid.core.constants import Tiles
+
+    tiles = obs[..., :13].argmax(-1).reshape(obs.shape[0], -1)
+    found = np.where((tiles == Tiles.BALL).any(1), Tiles.BALL, -1)
+    return np.where((tiles == Tiles.KEY).any(1), Tiles.KEY, found)
+
+
+def scripted_success_rate(remember: bool, num_envs: int = 256, num_steps: int = 40) -> tuple[float, int]:
+    """A scripted policy through the adapter's batched step (auto-reset), over every episode that
+    ends within num_steps: (success rate from info["success"], episodes). It navigates by the
+    agent's position, and reads objects only from the adapter's observations. remember=True:
+    turn round, walk west until the cue is in view (at once when the episode starts in column 1),
+    remember its tile, walk to the corridor's end, face north, and step onto the upper object if
+    it is the cue's, else turn on to face south and step onto the lower one. remember=False: walk straight to the
+    end and step onto the upper object."""
+    env, params = envs.make_env("MiniGrid-MemoryS8")
+    step = jax.jit(lambda keys, state, action: env.step_batch(keys, state, action, params))
+    keys = jax.random.split(jax.random.key(0), num_envs)
+    obs, state = jax.jit(jax.vmap(env.reset, in_axes=(0, None)))(keys, params)
+    unknown = -1 if remember else ANY_OBJECT
+    cue = np.full(num_envs, unknown)
+    successes = []
+    for t in range(num_steps):
+        obs = np.asarray(obs)
+        row_col = np.asarray(state.state.agent.position)
+        column, direction = row_col[:, 1], np.asarray(state.state.agent.direction)
+        cue = np.where((cue == -1) & (column <= 3), seen_object(obs), cue)  # west of column 4 only the cue is seen
+        at_end = column == CORRIDOR_END
+        upper = seen_object(obs)  # at the end, facing north: the upper object only
+        action = np.where(
+            cue < 0,
+            np.where(direction == WEST, FORWARD, TURN),  # go back for the cue
+            np.where(~at_end,
+                     np.where(direction == EAST, FORWARD, TURN),  # down the corridor
+                     np.where((direction == NORTH) & ((upper == cue) | (cue == ANY_OBJECT)), FORWARD,  # the upper one
+                              np.where(direction == SOUTH, FORWARD, TURN_LEFT))),  # east, north, west, south
+        )
+        keys = jax.random.split(jax.random.key(t + 1), num_envs)
+        obs, state, _, terminated, truncated, info = step(keys, state, jnp.asarray(action, jnp.int32))
+        done = np.asarray(terminated | truncated)
+        assert not np.asarray(truncated).any()
+        successes += list(np.asarray(info["success"])[done])
+        cue = np.where(done, unknown, cue)
+    return float(np.mean(successes)), len(successes)
+
+
+@pytest.mark.parametrize("remember, low, high", [(True, 1.0, 1.0), (False, 0.45, 0.55)])
+def test_minigrid_memory_scripted_policies_succeed_always_with_the_cue_and_half_the_time_without(remember, low, high):
+    """The adapter end to end on MiniGrid-MemoryS8: a policy that reads the cue from the
+    observations succeeds every time; one that ignores it is at chance (0.5; measured 0.496 over
+    1,967 episodes, so the bounds are 4 standard errors)."""
+    pytest.importorskip("xminigrid")
+    rate, episodes = scripted_success_rate(remember)
+    assert episodes >= 300
+    assert low <= rate <= high, (rate, episodes)
+
 # ======================================================================================
 # --optimistic-reset-ratio: SuiteEnv.step_batch against a Python loop, on a counting env
 # ======================================================================================
