@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 
+import jax
 import pytest
 
 import ppo_lstm_impala
@@ -22,6 +23,25 @@ def test_values_are_parsed_as_their_fields_types():
     assert (params.max_steps_in_episode, params.gravity) == (20, 4.5) and type(params.gravity) is float
     assert envs.make_env("CartPole-v1")[1].max_steps_in_episode == 500  # nothing else changes
 
+
+
+@pytest.mark.parametrize("memory_length", [3, 30])
+def test_memory_chain_episodes_last_memory_length_plus_one_steps(memory_length):
+    """The behaviour follows the field: the episode ends at step memory_length + 1 (default 5:
+    6 steps), the only reward, +1 or -1, comes at its last step, and the next episode goes the same."""
+    env, params = envs.make_env("MemoryChain-bsuite", param_values=(f"memory_length={memory_length}",))
+    step = jax.jit(env.step)
+    key = jax.random.key(0)
+    _, state = env.reset(key, params)
+    ends, rewards = [], []
+    for t in range(1, 2 * (memory_length + 1) + 1):
+        _, state, reward, terminated, truncated, _ = step(jax.random.fold_in(key, t), state, t % 2, params)
+        rewards.append(float(reward))
+        assert not truncated
+        if terminated:
+            ends.append(t)
+    assert ends == [memory_length + 1, 2 * (memory_length + 1)]
+    assert [t for t, reward in enumerate(rewards, start=1) if reward != 0.0] == ends and set(rewards) <= {-1.0, 0.0, 1.0}
 
 @pytest.mark.parametrize("values, message", [
     (("memory_lenght=30",), "has no field 'memory_lenght'; its fields: max_steps_in_episode, memory_length"),
