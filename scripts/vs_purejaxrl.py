@@ -1,8 +1,10 @@
-"""PureJaxRL's ppo.py and our ppo_mlp.py, side by side on PureJaxRL's CartPole config, in one run.
+"""PureJaxRL's ppo.py and our ppo_mlp.py (or, with --rnn, its ppo_rnn.py and our ppo_lstm_impala.py),
+side by side on PureJaxRL's CartPole config, in one run.
 
     python scripts/vs_purejaxrl.py --purejaxrl-dir ~/src/purejaxrl             # 1 and 8 seeds, best of 2
     python scripts/vs_purejaxrl.py --purejaxrl-dir ~/src/purejaxrl --seeds 8 --repeats 3 --out vs.md
     python scripts/vs_purejaxrl.py --purejaxrl-dir ~/src/purejaxrl --compiled-loops --repeats 15
+    python scripts/vs_purejaxrl.py --purejaxrl-dir ~/src/purejaxrl --rnn --seeds 1 --repeats 3
 
 PureJaxRL is not a dependency and none of its code is in this repository: --purejaxrl-dir is a
 checkout of https://github.com/luchris429/purejaxrl, whose purejaxrl/ppo.py is imported from there.
@@ -12,6 +14,10 @@ Every measurement is its own process, ours and theirs in turn, best of --repeats
   compilation, with its logging and metrics file, as users run it);
 - PureJaxRL: `jax.jit(jax.vmap(make_train(config)))` on N keys, as its README runs several seeds,
   with its own CartPole config (ours are the same numbers) and DEBUG off, timed after compilation.
+
+--rnn does the same with ppo_rnn.py (a dense 128 embedding, a GRU of 128; same CartPole numbers)
+against `ppo_lstm_impala.py --torso mlp` with a dense 128 embedding and an LSTM of 128
+(OURS_ON_PPO_RNN_CONFIG).
 
 --compiled-loops compares the compiled training programs alone, in one process: ours is
 ppo_mlp.py's make_train loop without host callbacks (no metrics file, console or checkpoints), with
@@ -27,7 +33,8 @@ Two shims let its code run beside our pins, and neither touches its training loo
 step returns (obs, state, reward, terminated, truncated, info) and PureJaxRL's code expects the
 older (obs, state, reward, done, info), so it gets done = terminated | truncated (a time-out as a
 termination, as it was written for); and its wrappers module imports brax at the top for a Brax
-wrapper that ppo.py does not use, so an empty stand-in module is installed when brax is missing.
+wrapper that ppo.py does not use (and navix, for another), so an empty stand-in module is installed
+for each one that is missing.
 """
 
 from __future__ import annotations
@@ -52,6 +59,15 @@ PUREJAXRL_CARTPOLE = {
     "ACTIVATION": "tanh", "ENV_NAME": "CartPole-v1", "ANNEAL_LR": True, "DEBUG": False,
 }
 PUREJAXRL_SEED = 30  # its __main__'s PRNGKey
+# --rnn: ppo_rnn.py's __main__ config has the same numbers (a dense 128 ReLU embedding, a GRU of
+# 128, ReLU heads of 128). ppo_lstm_impala.py on it: the same embedding, an LSTM of 128, every PPO
+# setting its own defaults would change set to ppo_rnn.py's, and linear heads (ours have no hidden layer).
+OURS_ON_PPO_RNN_CONFIG = [
+    "--env-id", "CartPole-v1", "--torso", "mlp", "--hidden-sizes", "128", "--activation", "relu", "--lstm-size", "128",
+    "--num-parallel-envs", "4", "--num-env-steps-per-cycle", "128", "--num-epochs-per-cycle", "4",
+    "--num-minibatches-per-epoch", "4", "--lr", "2.5e-4", "--gamma", "0.99", "--gae-lambda", "0.95", "--clip-eps", "0.2",
+    "--ent-coef", "0.01", "--vf-coef", "0.5", "--max-grad-norm", "0.5",
+]
 
 
 class FiveTupleEnv:
@@ -69,20 +85,20 @@ class FiveTupleEnv:
         return obs, state, reward, terminated | truncated, {"discount": info["discount"]}
 
 
-def load_purejaxrl_ppo(purejaxrl_dir: Path) -> types.ModuleType:
-    """Its purejaxrl/ppo.py, with the two shims of the module docstring."""
+def load_purejaxrl_ppo(purejaxrl_dir: Path, module: str = "ppo") -> types.ModuleType:
+    """Its purejaxrl/<module>.py (ppo or ppo_rnn), with the two shims of the module docstring."""
     import importlib
 
     import gymnax
 
-    try:
-        import brax  # noqa: F401
-    except ImportError:
-        stand_in = types.ModuleType("brax")
-        stand_in.envs = types.ModuleType("brax.envs")
-        sys.modules.update({"brax": stand_in, "brax.envs": stand_in.envs})
-    sys.path.insert(0, str(purejaxrl_dir))
-    ppo = importlib.import_module("purejaxrl.ppo")
+    for name in MODULES_ITS_WRAPPERS_IMPORT:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            sys.modules[name] = StandIn(name)
+    # its modules import their wrappers both as `purejaxrl.wrappers` and, run from its folder, as `wrappers`
+    sys.path[:0] = [str(purejaxrl_dir), str(purejaxrl_dir / "purejaxrl")]
+    ppo = importlib.import_module(f"purejaxrl.{module}")
 
     def make(env_id: str):  # our pinned gymnax 1.0 always returns the 6-tuple
         env, env_params = gymnax.make(env_id)
@@ -92,12 +108,27 @@ def load_purejaxrl_ppo(purejaxrl_dir: Path) -> types.ModuleType:
     return ppo
 
 
-def purejaxrl_worker(purejaxrl_dir: Path, num_seeds: int, num_total_env_steps: int) -> dict:
-    """Compiles and runs PureJaxRL's train on num_seeds keys: env steps/s after compilation."""
+# Packages its wrappers module imports at the top for wrappers that ppo.py and ppo_rnn.py do not use.
+MODULES_ITS_WRAPPERS_IMPORT = ["brax", "brax.envs", "brax.envs.wrappers", "brax.envs.wrappers.training", "navix"]
+
+
+class StandIn(types.ModuleType):
+    """An empty module in place of one that is not installed: any name it is asked for is a class
+    that nothing here instantiates."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return type(name, (), {})
+
+
+def purejaxrl_worker(purejaxrl_dir: Path, num_seeds: int, num_total_env_steps: int, module: str = "ppo") -> dict:
+    """Compiles and runs PureJaxRL's train (its `module`: ppo or ppo_rnn) on num_seeds keys: env
+    steps/s after compilation."""
     import jax
     import numpy as np
 
-    ppo = load_purejaxrl_ppo(purejaxrl_dir)
+    ppo = load_purejaxrl_ppo(purejaxrl_dir, module)
     config = dict(PUREJAXRL_CARTPOLE, TOTAL_TIMESTEPS=num_total_env_steps)
     keys = jax.random.split(jax.random.PRNGKey(PUREJAXRL_SEED), num_seeds)
     start = time.perf_counter()
@@ -106,19 +137,20 @@ def purejaxrl_worker(purejaxrl_dir: Path, num_seeds: int, num_total_env_steps: i
     start = time.perf_counter()
     out = jax.block_until_ready(compiled(keys))
     seconds = time.perf_counter() - start
+    metrics = out["metrics"] if "metrics" in out else out["metric"]  # ppo.py's key, ppo_rnn.py's
     num_updates = int(config["NUM_UPDATES"])  # make_train set it
     env_steps = num_updates * config["NUM_STEPS"] * config["NUM_ENVS"] * num_seeds
     last = slice(num_updates - max(1, num_updates // 10), None)  # the last 10% of updates
-    finished = np.asarray(out["metrics"]["returned_episode"])[:, last]
-    returns = np.asarray(out["metrics"]["returned_episode_returns"])[:, last]
+    finished = np.asarray(metrics["returned_episode"])[:, last]
+    returns = np.asarray(metrics["returned_episode_returns"])[:, last]
     return {"sps": env_steps / seconds, "compile_seconds": compile_seconds,
             "final_episodic_return": float(returns[finished].mean())}  # our summary.json's keys
 
 
-def measure_purejaxrl(purejaxrl_dir: Path, num_seeds: int, num_total_env_steps: int) -> dict:
+def measure_purejaxrl(purejaxrl_dir: Path, num_seeds: int, num_total_env_steps: int, module: str = "ppo") -> dict:
     """purejaxrl_worker in a process of its own."""
     command = [sys.executable, __file__, "--purejaxrl-dir", str(purejaxrl_dir), "--worker-seeds", str(num_seeds),
-               "--num-total-env-steps", str(num_total_env_steps)]
+               "--worker-module", module, "--num-total-env-steps", str(num_total_env_steps)]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
@@ -215,15 +247,22 @@ def main() -> int:
     parser.add_argument("--num-total-env-steps", type=int, default=500_000, help="per seed, for both (a smaller one for a quick check)")
     parser.add_argument("--compiled-loops", action="store_true",
                         help="time the compiled programs alone, in turn in one process (medians of per-round ratios)")
+    parser.add_argument("--rnn", action="store_true",
+                        help="its ppo_rnn.py (GRU) against ppo_lstm_impala.py --torso mlp, on ppo_rnn.py's CartPole config")
     parser.add_argument("--out", type=Path, help="also write the markdown table here")
     parser.add_argument("--worker-seeds", type=int, help=argparse.SUPPRESS)  # internal: one PureJaxRL measurement
+    parser.add_argument("--worker-module", default="ppo", help=argparse.SUPPRESS)
     options = parser.parse_args()
-    if not (options.purejaxrl_dir / "purejaxrl" / "ppo.py").is_file():
-        parser.error(f"--purejaxrl-dir {options.purejaxrl_dir}: no purejaxrl/ppo.py there (a checkout of luchris429/purejaxrl)")
+    module = "ppo_rnn" if options.rnn else "ppo"
+    if not (options.purejaxrl_dir / "purejaxrl" / f"{module}.py").is_file():
+        parser.error(f"--purejaxrl-dir {options.purejaxrl_dir}: no purejaxrl/{module}.py there (a checkout of luchris429/purejaxrl)")
+    if options.rnn and options.compiled_loops:
+        parser.error("--rnn times whole processes only; --compiled-loops compares ppo_mlp.py's loop with ppo.py's")
     if min(options.seeds) < 1 or options.repeats < 1 or options.num_total_env_steps < 1:
         parser.error("--seeds, --repeats and --num-total-env-steps must be at least 1")
     if options.worker_seeds:
-        print(json.dumps(purejaxrl_worker(options.purejaxrl_dir, options.worker_seeds, options.num_total_env_steps)))
+        print(json.dumps(purejaxrl_worker(options.purejaxrl_dir, options.worker_seeds, options.num_total_env_steps,
+                                          options.worker_module)))
         return 0
 
     if options.compiled_loops:
@@ -234,14 +273,15 @@ def main() -> int:
                   "(median of rounds) |", "|---|---|---|---|---|---|---|---|"]
         return print_table(options, "--compiled-loops ", f"{options.repeats} rounds, the programs in turn in one process", header, rows)
 
+    script, flags = ("ppo_lstm_impala.py", OURS_ON_PPO_RNN_CONFIG) if options.rnn else ("ppo_mlp.py", [])
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for num_seeds in options.seeds:
             ours, theirs = [], []
             for repeat in range(options.repeats):
-                flags = ["--num-seeds", str(num_seeds), "--num-total-env-steps", str(options.num_total_env_steps)]
-                ours.append(run_config("ppo_mlp.py", flags, Path(tmp) / f"ours-{num_seeds}-{repeat}"))
-                theirs.append(measure_purejaxrl(options.purejaxrl_dir, num_seeds, options.num_total_env_steps))
+                run_flags = [*flags, "--num-seeds", str(num_seeds), "--num-total-env-steps", str(options.num_total_env_steps)]
+                ours.append(run_config(script, run_flags, Path(tmp) / f"ours-{num_seeds}-{repeat}"))
+                theirs.append(measure_purejaxrl(options.purejaxrl_dir, num_seeds, options.num_total_env_steps, module))
                 print(f"{num_seeds} seed(s), run {repeat + 1}: ours {ours[-1]['sps']:,.0f}, "
                       f"PureJaxRL {theirs[-1]['sps']:,.0f} env steps/s", file=sys.stderr, flush=True)
             best_ours = max(ours, key=lambda summary: summary["sps"])
@@ -252,9 +292,9 @@ def main() -> int:
                 f"{best_ours['compile_seconds']:.1f} / {best_theirs['compile_seconds']:.1f} | "
                 f"{best_ours['final_episodic_return']:.1f} / {best_theirs['final_episodic_return']:.1f} |"
             )
-    header = ["| seeds (vmapped) | ppo_mlp.py env steps/s | PureJaxRL ppo.py env steps/s | ours / theirs | "
+    header = [f"| seeds (vmapped) | {script} env steps/s | PureJaxRL {module}.py env steps/s | ours / theirs | "
               "compile s (ours / theirs) | final return (ours / theirs) |", "|---|---|---|---|---|---|"]
-    return print_table(options, "", f"best of {options.repeats}, in turn", header, rows)
+    return print_table(options, "--rnn " if options.rnn else "", f"best of {options.repeats}, in turn", header, rows)
 
 
 def print_table(options: argparse.Namespace, mode_flag: str, how: str, header: list[str], rows: list[str]) -> int:

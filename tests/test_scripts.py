@@ -74,12 +74,21 @@ def make_train(config):
 """
 
 
+# Its ppo_rnn.py: the same stand-in, as upstream imports its wrappers (`from wrappers import ...`,
+# which imports brax's training wrappers and navix), and with upstream's "metric" key.
+FAKE_PUREJAXRL_PPO_RNN = FAKE_PUREJAXRL_PPO.replace("from purejaxrl import wrappers", "from wrappers import LogWrapper").replace(
+    'return {"metrics":', 'return {"metric":')
+
+
 @pytest.fixture
 def fake_purejaxrl_checkout(tmp_path):
     package = tmp_path / "checkout" / "purejaxrl"
     package.mkdir(parents=True)
     (package / "ppo.py").write_text(FAKE_PUREJAXRL_PPO)
-    (package / "wrappers.py").write_text("from brax import envs\n")
+    (package / "ppo_rnn.py").write_text(FAKE_PUREJAXRL_PPO_RNN)
+    (package / "wrappers.py").write_text(
+        "from brax import envs\nfrom brax.envs.wrappers.training import EpisodeWrapper\nimport navix as nx\n\n\nclass LogWrapper:\n    pass\n"
+    )
     return package.parent
 
 
@@ -98,6 +107,22 @@ def test_vs_purejaxrl_runs_both_and_prints_their_row(tmp_path, fake_purejaxrl_ch
     their_return = float(row[5].split(" / ")[1].rstrip(" |"))
     assert 5 < their_return < 20  # always pushing left ends a CartPole episode in about 9 steps
 
+
+def test_vs_purejaxrl_rnn_runs_ppo_rnn_against_the_lstm_script(tmp_path, fake_purejaxrl_checkout):
+    """--rnn: ppo_lstm_impala.py on ppo_rnn.py's config (its own row header), against the
+    checkout's ppo_rnn.py (upstream's "metric" key, its wrappers imported as `wrappers`)."""
+    result = run_script(
+        "scripts/vs_purejaxrl.py", "--purejaxrl-dir", str(fake_purejaxrl_checkout), "--rnn", "--seeds", "1",
+        "--repeats", "1", "--num-total-env-steps", "1024", timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "| ppo_lstm_impala.py env steps/s | PureJaxRL ppo_rnn.py env steps/s |" in result.stdout
+    (row,) = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| 1 |")]
+    ours, theirs = (float(cell.replace(",", "")) for cell in row[1:3])
+    assert ours > 0 and theirs > 0 and 5 < float(row[5].split(" / ")[1].rstrip(" |")) < 20
+    refused = run_script("scripts/vs_purejaxrl.py", "--purejaxrl-dir", str(fake_purejaxrl_checkout), "--rnn",
+                         "--compiled-loops", timeout=60)
+    assert refused.returncode == 2 and "--rnn" in refused.stderr and "Traceback" not in refused.stderr
 
 def test_vs_purejaxrl_compiled_loops_prints_a_median_ratio_within_its_rounds(fake_purejaxrl_checkout):
     result = run_script(
