@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Literal, NamedTuple
 
 import flax.linen as nn
+from flax import traverse_util
 import jax
 import jax.numpy as jnp
 import optax
@@ -94,6 +95,7 @@ class Args:
     # stored during the rollout (no gradient through time, more memory)
     lstm_training: Literal["bptt", "stored"] = "bptt"
     separate_critic: bool = False  # the critic gets its own torso and LSTM, instead of sharing the actor's
+    lstm_forget_bias: float = 0.0  # added to the LSTM forget gate's initial bias (1.0: Jozefowicz et al. 2015); 0: CleanRL's
     prev_action_reward: bool = False  # the LSTM also gets the previous action (one-hot) and raw reward; zeros at an episode start
     frame_stack: int = 1  # stack the last K observations along the channel axis
     orthogonal_init: bool = True  # gains sqrt(2) convs/dense, 1 LSTM, 0.01 actor, 1 critic, zero biases; off: flax's
@@ -471,7 +473,20 @@ def make_network(args: Args, num_actions: int) -> ActorCritic:
 def init_params(network: ActorCritic, key: jax.Array, args: Args, obs_shape: tuple[int, ...]) -> Any:
     carry = jnp.zeros((1, args.carry_size), jnp.float32)
     prev_action_reward = jnp.zeros((1, 1, network.num_actions + 1), jnp.float32) if args.prev_action_reward else None
-    return network.init(key, carry, jnp.zeros((1, 1, *obs_shape), jnp.float32), jnp.zeros((1, 1), bool), prev_action_reward)
+    params = network.init(key, carry, jnp.zeros((1, 1, *obs_shape), jnp.float32), jnp.zeros((1, 1), bool), prev_action_reward)
+    return add_forget_bias(params, args.lstm_forget_bias) if args.lstm_forget_bias else params
+
+
+def add_forget_bias(params: Any, forget_bias: float) -> Any:
+    """--lstm-forget-bias: adds forget_bias to the forget gate's bias (flax's `hf`) of every LSTM, so
+    that at initialisation the cell keeps its memory (sigmoid(1) = 0.73 of it per step, not half)."""
+    def add(path, leaf):
+        return leaf + forget_bias if path[-2:] == ("hf", "bias") else leaf
+
+    flat = traverse_util.flatten_dict(params)
+    if not any(path[-2:] == ("hf", "bias") for path in flat):
+        raise cli.ConfigError("--lstm-forget-bias: the network has no LSTM forget gate (a parameter .../hf/bias)")
+    return traverse_util.unflatten_dict({path: add(path, leaf) for path, leaf in flat.items()})
 
 
 # --- PPO, in run order: rollout, GAE, loss, minibatch update, epochs, cycle, make_train -------
@@ -1050,6 +1065,8 @@ def validate_args(args: Args) -> None:
         raise cli.ConfigError(f"--lstm-size must be >= 0 (0: no LSTM), got {args.lstm_size}")
     if args.prev_action_reward and args.lstm_size == 0:
         raise cli.ConfigError("--prev-action-reward feeds the LSTM, and --lstm-size 0 has none")
+    if args.lstm_forget_bias and args.lstm_size == 0:
+        raise cli.ConfigError("--lstm-forget-bias sets the LSTM's forget gate, and --lstm-size 0 has none")
 
 
 def check_observations(args: Args, env: Any, env_params: Any) -> None:

@@ -103,6 +103,7 @@ ONLY = {
         (["--hidden-sizes", "64", "0"], "--hidden-sizes"),  # --torso mlp's widths
         (["--activation", "sigmoid"], "--activation"),
         (["--lstm-size", "0", "--prev-action-reward"], "--prev-action-reward"),  # no LSTM to feed
+        (["--lstm-size", "0", "--lstm-forget-bias", "1"], "--lstm-forget-bias"),  # no forget gate
         (["--norm-obs"], "--norm-obs"),  # ppo_mlp.py's flag: image observations are not normalised
         (["--torso", "resnet"], "--torso"),
         (["--torso", "nature", "--env-id", "probe_envs:ConstantRewardImage"], "--torso nature"),  # 3x3 images

@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import distrax
+import flax
 import gymnax
 import jax
 import jax.numpy as jnp
@@ -160,6 +161,21 @@ def test_orthogonal_init_gains_and_zero_biases():
     np.testing.assert_allclose(actor_head.T @ actor_head, 0.01**2 * np.eye(3), atol=1e-7)
     np.testing.assert_allclose(critic_head.T @ critic_head, np.eye(1), atol=1e-5)
 
+
+def test_lstm_forget_bias_is_in_the_params_training_starts_from():
+    """--lstm-forget-bias 1: the initial TrainState (make_train's init) has 1 in every forget-gate
+    bias, of the actor's LSTM and the critic's; every other parameter is the one it has without
+    the flag."""
+    env, env_params = envs.make_env(MEMORY_ENV_ID)
+    flags = {**TINY, "env_id": MEMORY_ENV_ID, "separate_critic": True}
+    init, _ = ppo.make_train(ppo.Args(**flags, lstm_forget_bias=1.0), env, env_params)
+    init_without, _ = ppo.make_train(ppo.Args(**flags), env, env_params)
+    params = flax.traverse_util.flatten_dict(init(0).params)
+    params_without = flax.traverse_util.flatten_dict(init_without(0).params)
+    forget = [path for path in params if path[-2:] == ("hf", "bias")]
+    assert len(forget) == 2 and {path[1] for path in forget} == {"actor_core", "critic_core"}
+    for path, value in params.items():
+        np.testing.assert_array_equal(value, params_without[path] + (1.0 if path in forget else 0.0))
 
 @pytest.mark.parametrize("separate_critic", [False, True])
 def test_carry_is_zero_at_episode_start(separate_critic):
