@@ -29,12 +29,13 @@ each round (so that none always goes first), and each ratio is taken within a ro
 is the other's time over this one's), so a shared machine's drift over minutes falls on all; the
 table gives the medians of those ratios, and the lowest and highest round of ours against theirs.
 
-Two shims let its code run beside our pins, and neither touches its training loop: gymnax 1.0's
+Shims let its code run beside our pins, and none touches its training loop: gymnax 1.0's
 step returns (obs, state, reward, terminated, truncated, info) and PureJaxRL's code expects the
 older (obs, state, reward, done, info), so it gets done = terminated | truncated (a time-out as a
 termination, as it was written for); and its wrappers module imports brax at the top for a Brax
 wrapper that ppo.py does not use (and navix, for another), so an empty stand-in module is installed
-for each one that is missing.
+for each one that is missing. ppo_rnn.py calls flax's GRUCell as older flax had it (no width,
+a static initialize_carry), so it gets a GRUCell that does (flax_linen_with_the_old_gru_cell).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ PUREJAXRL_SEED = 30  # its __main__'s PRNGKey
 # --rnn: ppo_rnn.py's __main__ config has the same numbers (a dense 128 ReLU embedding, a GRU of
 # 128, ReLU heads of 128). ppo_lstm_impala.py on it: the same embedding, an LSTM of 128, every PPO
 # setting its own defaults would change set to ppo_rnn.py's, and linear heads (ours have no hidden layer).
+PPO_RNN_WIDTH = 128
 OURS_ON_PPO_RNN_CONFIG = [
     "--env-id", "CartPole-v1", "--torso", "mlp", "--hidden-sizes", "128", "--activation", "relu", "--lstm-size", "128",
     "--num-parallel-envs", "4", "--num-env-steps-per-cycle", "128", "--num-epochs-per-cycle", "4",
@@ -105,7 +107,30 @@ def load_purejaxrl_ppo(purejaxrl_dir: Path, module: str = "ppo") -> types.Module
         return FiveTupleEnv(env), env_params
 
     ppo.gymnax = types.SimpleNamespace(make=make)
+    if module == "ppo_rnn":
+        ppo.nn = flax_linen_with_the_old_gru_cell()
     return ppo
+
+
+def flax_linen_with_the_old_gru_cell() -> types.ModuleType:
+    """flax.linen, but its GRUCell as the flax that ppo_rnn.py was written for had it: the width
+    taken from the carry (ppo_rnn.py's is 128, from its initialize_carry calls) and
+    `GRUCell.initialize_carry(key, batch_dims, size)` a static method giving zeros. Its module
+    looks nn.GRUCell up when it runs, so nothing else changes."""
+    import flax.linen as nn
+    import jax.numpy as jnp
+
+    class GRUCell(nn.GRUCell):
+        features: int = PPO_RNN_WIDTH
+
+        @staticmethod
+        def initialize_carry(key, batch_dims, size):  # the old API; the carry starts at zeros
+            return jnp.zeros((*batch_dims, size))
+
+    linen = types.ModuleType("flax.linen")
+    linen.__dict__.update(vars(nn))
+    linen.GRUCell = GRUCell
+    return linen
 
 
 # Packages its wrappers module imports at the top for wrappers that ppo.py and ppo_rnn.py do not use.
