@@ -382,14 +382,16 @@ def test_the_value_targets_the_update_used_match_a_python_loop_gae(monkeypatch, 
 
 @pytest.mark.parametrize(
     "lstm_training, extra",
-    [("stored", {}), ("bptt", {"separate_critic": True, "frame_stack": 2})],
+    [("stored", {}), ("bptt", {"separate_critic": True, "frame_stack": 2}),
+     ("stored", {"env_id": "probe_envs:MemoryVector"}),  # the MLP torso (--torso auto on vectors)
+     ("bptt", {"env_id": "probe_envs:MemoryVector", "prev_action_reward": True})],
 )
 def test_first_minibatch_has_ratio_one_and_tiny_target_kl_stops_after_it(tmp_path, lstm_training, extra):
     """A tiny target KL stops each cycle after its first minibatch, so the logged approxkl and
     clipfrac are the first minibatch's: exactly 0, as in ppo_mlp.py (ratio exactly 1), with
-    episodes ending mid-rollout (Memory: 6 steps, rollout: 12). Plain bptt, with two vmapped
-    seeds, is checked in test_determinism_and_seeds_differ."""
-    args = tiny_args(tmp_path, env_id=MEMORY_ENV_ID, lstm_training=lstm_training, target_kl=1e-12, **extra)
+    episodes ending mid-rollout (Memory: 6 steps, rollout: 12), on images and on vectors. Plain
+    bptt, with two vmapped seeds, is checked in test_determinism_and_seeds_differ."""
+    args = tiny_args(tmp_path, lstm_training=lstm_training, target_kl=1e-12, **{"env_id": MEMORY_ENV_ID, **extra})
     ppo.run(args)
     assert_first_minibatch_exact(args)
 
