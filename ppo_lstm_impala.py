@@ -480,13 +480,11 @@ def init_params(network: ActorCritic, key: jax.Array, args: Args, obs_shape: tup
 def add_forget_bias(params: Any, forget_bias: float) -> Any:
     """--lstm-forget-bias: adds forget_bias to the forget gate's bias (flax's `hf`) of every LSTM, so
     that at initialisation the cell keeps its memory (sigmoid(1) = 0.73 of it per step, not half)."""
-    def add(path, leaf):
-        return leaf + forget_bias if path[-2:] == ("hf", "bias") else leaf
-
     flat = traverse_util.flatten_dict(params)
-    if not any(path[-2:] == ("hf", "bias") for path in flat):
+    forget_gates = [path for path in flat if path[-2:] == ("hf", "bias")]
+    if not forget_gates:
         raise cli.ConfigError("--lstm-forget-bias: the network has no LSTM forget gate (a parameter .../hf/bias)")
-    return traverse_util.unflatten_dict({path: add(path, leaf) for path, leaf in flat.items()})
+    return traverse_util.unflatten_dict({**flat, **{path: flat[path] + forget_bias for path in forget_gates}})
 
 
 # --- PPO, in run order: rollout, GAE, loss, minibatch update, epochs, cycle, make_train -------

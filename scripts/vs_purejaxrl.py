@@ -88,7 +88,7 @@ class FiveTupleEnv:
 
 
 def load_purejaxrl_ppo(purejaxrl_dir: Path, module: str = "ppo") -> types.ModuleType:
-    """Its purejaxrl/<module>.py (ppo or ppo_rnn), with the two shims of the module docstring."""
+    """Its purejaxrl/<module>.py (ppo or ppo_rnn), with the shims of the module docstring."""
     import importlib
 
     import gymnax

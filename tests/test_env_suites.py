@@ -165,7 +165,6 @@ def test_minigrid_memory_end_is_terminated_and_success_says_which_object(memory)
     assert (state.state.step_num == 0).all()
 
 
-
 TURN_LEFT = 2  # XLand-MiniGrid's actions: 0 forward, 1 turn clockwise, 2 turn counter-clockwise
 NORTH, EAST, SOUTH, WEST = 0, 1, 2, 3  # its directions; MemoryS8 (7 x 8): the corridor is row 3,
 ANY_OBJECT = 99  # the cue of a policy that does not look for it: it takes the upper object
@@ -174,10 +173,10 @@ CORRIDOR_END = 6  # the start room with the cue at (2, 1) on its west, the two o
 
 def seen_object(obs: np.ndarray) -> np.ndarray:
     """Per env, the ball's or key's tile id somewhere in the adapter's observation of its view
-    (-1 for neither), read from the one-hot tile channels."""
+    (-1 for neither), read from the one-hot tile channels (decode)."""
     from xminigrid.core.constants import Tiles
 
-    tiles = obs[..., :13].argmax(-1).reshape(obs.shape[0], -1)
+    tiles = np.asarray(decode(obs))[..., 0].reshape(obs.shape[0], -1)
     found = np.where((tiles == Tiles.BALL).any(1), Tiles.BALL, -1)
     return np.where((tiles == Tiles.KEY).any(1), Tiles.KEY, found)
 
@@ -188,8 +187,8 @@ def scripted_success_rate(remember: bool, num_envs: int = 256, num_steps: int = 
     agent's position, and reads objects only from the adapter's observations. remember=True:
     turn round, walk west until the cue is in view (at once when the episode starts in column 1),
     remember its tile, walk to the corridor's end, face north, and step onto the upper object if
-    it is the cue's, else turn on to face south and step onto the lower one. remember=False: walk straight to the
-    end and step onto the upper object."""
+    it is the cue's, else turn on to face south and step onto the lower one. remember=False: walk
+    straight to the end and step onto the upper object."""
     env, params = envs.make_env("MiniGrid-MemoryS8")
     step = jax.jit(lambda keys, state, action: env.step_batch(keys, state, action, params))
     keys = jax.random.split(jax.random.key(0), num_envs)
@@ -198,18 +197,16 @@ def scripted_success_rate(remember: bool, num_envs: int = 256, num_steps: int = 
     cue = np.full(num_envs, unknown)
     successes = []
     for t in range(num_steps):
-        obs = np.asarray(obs)
         row_col = np.asarray(state.state.agent.position)
         column, direction = row_col[:, 1], np.asarray(state.state.agent.direction)
-        cue = np.where((cue == -1) & (column <= 3), seen_object(obs), cue)  # west of column 4 only the cue is seen
-        at_end = column == CORRIDOR_END
-        upper = seen_object(obs)  # at the end, facing north: the upper object only
+        seen = seen_object(obs)  # west of column 4 only the cue; at the end, facing north, only the upper object
+        cue = np.where((cue == -1) & (column <= 3), seen, cue)
         action = np.where(
             cue < 0,
             np.where(direction == WEST, FORWARD, TURN),  # go back for the cue
-            np.where(~at_end,
+            np.where(column != CORRIDOR_END,
                      np.where(direction == EAST, FORWARD, TURN),  # down the corridor
-                     np.where((direction == NORTH) & ((upper == cue) | (cue == ANY_OBJECT)), FORWARD,  # the upper one
+                     np.where((direction == NORTH) & ((seen == cue) | (cue == ANY_OBJECT)), FORWARD,  # the upper one
                               np.where(direction == SOUTH, FORWARD, TURN_LEFT))),  # east, north, west, south
         )
         keys = jax.random.split(jax.random.key(t + 1), num_envs)
@@ -230,6 +227,7 @@ def test_minigrid_memory_scripted_policies_succeed_always_with_the_cue_and_half_
     rate, episodes = scripted_success_rate(remember)
     assert episodes >= 300
     assert low <= rate <= high, (rate, episodes)
+
 
 # ======================================================================================
 # --optimistic-reset-ratio: SuiteEnv.step_batch against a Python loop, on a counting env
