@@ -1095,13 +1095,13 @@ def run(args: Args) -> dict[str, Any]:
     validate_args(args)
     devices.start_distributed(args)  # --distributed: before anything starts JAX's backend
     cpu.avoid_cpu_qr_deadlock()  # CPU settings, before JAX starts its backend
-    cpu.use_unrolled_threefry_on_cpu()
     env, env_params = envs.make_env(args.env_id, args.sticky_action_prob, args.optimistic_reset_ratio, args.env_params)
     check_observations(args, env, env_params)
     mesh = devices.make_mesh(args, args.sequence_length)
     session = sessions.Session(args, run_metric_names(env, env_params))  # checks --run-dir or --resume
     init, train = make_train(args, env, env_params, mesh, session.video_recorder(env_params))
     states = session.restore(devices.stack_seeds([init(args.seed + i) for i in range(args.num_seeds)]))
+    cpu.use_unrolled_threefry_on_cpu()  # for the train loop only: it makes init's compile twice as long
     if args.lstm_training == "stored":  # T * N * carry_size float32s per seed, said before they are spent
         print(f"--lstm-training stored keeps {args.batch_size * args.carry_size * 4 / 2**20:.1f} MiB of LSTM carries "
               "per seed", flush=True)

@@ -727,12 +727,12 @@ def run(args: Args) -> dict[str, Any]:
     validate_args(args)
     devices.start_distributed(args)  # --distributed: before anything starts JAX's backend
     cpu.avoid_cpu_qr_deadlock()  # CPU settings, before JAX starts its backend
-    cpu.use_unrolled_threefry_on_cpu()
     env, env_params = envs.make_env(args.env_id, args.sticky_action_prob, args.optimistic_reset_ratio, args.env_params)
     mesh = devices.make_mesh(args)
     session = sessions.Session(args, run_metric_names(env, env_params))  # checks --run-dir or --resume
     init, train = make_train(args, env, env_params, mesh, session.video_recorder(env_params))
     states = session.restore(devices.stack_seeds([init(args.seed + i) for i in range(args.num_seeds)]))
+    cpu.use_unrolled_threefry_on_cpu()  # for the train loop only: it makes init's compile twice as long
     states, metrics = session.train(train, devices.place_on_mesh(states, mesh), mesh)
     return session.finish(states, metrics, {OBS_STATS_FILE: states.obs_stats})  # and params.msgpack, summary.json
 

@@ -6,12 +6,47 @@ Not a test module: the test files import it (conftest.py puts this folder on sys
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 ROOT = Path(__file__).resolve().parent.parent
+# The suite spends most of its time compiling small programs, and LLVM at -O1 compiles them about
+# 20% faster than XLA's default -O2 and trains as fast (docs/testing.md). conftest.py sets it for
+# every test and the processes they start; a test compares runs made under the same flags, so bits
+# may differ from an -O2 run's, never within a test.
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=1"
+
+
+def xla_flags(*flags: str) -> str:
+    """XLA_FLAGS for a test's process that needs flags of its own (simulated devices): the suite's
+    flags and these."""
+    return " ".join([TEST_XLA_FLAGS, *flags])
+
+
+def shared_folder(tmp_path_factory: Any) -> Path:
+    """A folder that every xdist worker of this test session sees (and no other session): for
+    runs that several tests read and that should be trained once, under `exclusive`."""
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    base = tmp_path_factory.getbasetemp()
+    folder = base if run_id is None else base.parent / f"shared-{run_id}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@contextlib.contextmanager
+def exclusive(lock_path: Path) -> Iterator[None]:
+    """Holds an exclusive lock on lock_path (across processes) for the block."""
+    with open(lock_path, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def run_script(

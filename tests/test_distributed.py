@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import ROOT
+from helpers import ROOT, xla_flags
 
 CONFIGS = {
     "ppo_mlp.py": ["--num-parallel-envs", "4", "--num-env-steps-per-cycle", "16", "--num-minibatches-per-epoch", "2",
@@ -42,8 +42,7 @@ def free_port() -> int:
 
 def start_processes(script: str, flags: list[str], audited: Path) -> list[subprocess.Popen]:
     """Processes 0 and 1 of one --distributed run, each with one CPU device."""
-    env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
-    env.update(JAX_PLATFORMS="cpu", AUDIT_DIR=str(audited))
+    env = {**os.environ, "XLA_FLAGS": xla_flags(), "JAX_PLATFORMS": "cpu", "AUDIT_DIR": str(audited)}
     address = f"127.0.0.1:{free_port()}"
     return [
         subprocess.Popen(
@@ -78,7 +77,7 @@ def checkpoints(run_dir: Path) -> list[Path]:
 def test_two_processes_train_as_two_devices_survive_a_lost_process_and_resume(tmp_path, script):
     flags = CONFIGS[script]
     reference_dir, run_dir = tmp_path / "reference", tmp_path / "two-processes"
-    two_devices = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+    two_devices = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2"), "JAX_PLATFORMS": "cpu"}
     reference = subprocess.run([sys.executable, str(ROOT / script), *flags, "--num-devices", "2", "--run-dir",
                                 str(reference_dir)], capture_output=True, text=True, timeout=600, env=two_devices, cwd=ROOT)
     assert reference.returncode == 0, reference.stderr[-3000:]
@@ -122,7 +121,7 @@ def test_two_processes_train_as_two_devices_survive_a_lost_process_and_resume(tm
 
 def test_distributed_refuses_a_device_count_that_leaves_out_a_process(tmp_path):
     """--distributed spans every device of every process: --num-devices must be 0 (or that count)."""
-    env = {key: value for key, value in os.environ.items() if key != "XLA_FLAGS"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags()}
     result = subprocess.run(
         [sys.executable, str(ROOT / "ppo_mlp.py"), "--distributed", "--coordinator-address", f"127.0.0.1:{free_port()}",
          "--num-processes", "1", "--process-id", "0", "--num-devices", "2", "--run-dir", str(tmp_path / "run")],

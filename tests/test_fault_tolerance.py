@@ -23,7 +23,7 @@ import pytest
 
 import ppo_mlp
 import probe_envs
-from helpers import ROOT
+from helpers import ROOT, exclusive, shared_folder, xla_flags
 from ppo_support import errors, logs, rundir
 
 SMALL = {
@@ -58,19 +58,21 @@ def start(script: str, *flags: str, env: dict[str, str] | None = None) -> subpro
                             text=True, env=env)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def finished(tmp_path_factory):
-    """finished(script) -> the run dir of one uninterrupted SMALL run of that script (made once;
-    copy it before changing anything)."""
-    run_dirs = {}
+    """finished(script) -> the run dir of one uninterrupted SMALL run of that script, made once per
+    test session and shared by the xdist workers (helpers.shared_folder); copy it before changing
+    anything."""
+    folder = shared_folder(tmp_path_factory)
 
     def finished_run(script: str) -> Path:
-        if script not in run_dirs:
-            run_dir = tmp_path_factory.mktemp("finished") / Path(script).stem
-            run = start(script, *SMALL[script], "--run-dir", str(run_dir))
-            assert run.wait(timeout=600) == 0, run.stderr.read()
-            run_dirs[script] = run_dir
-        return run_dirs[script]
+        run_dir = folder / f"finished-{Path(script).stem}"
+        with exclusive(folder / f"finished-{Path(script).stem}.lock"):
+            if not (run_dir / "summary.json").exists():
+                shutil.rmtree(run_dir, ignore_errors=True)
+                run = start(script, *SMALL[script], "--run-dir", str(run_dir))
+                assert run.wait(timeout=600) == 0, run.stderr.read()
+        return run_dir
 
     return finished_run
 
@@ -80,10 +82,10 @@ def checkpoints(run_dir: Path) -> list[Path]:
     return sorted(run_dir.glob("checkpoint-*.npz"), key=lambda path: int(path.stem.split("-")[1]))
 
 
-def wait_for_first_checkpoint(run: subprocess.Popen, run_dir: Path) -> None:
+def wait_for_checkpoints(run: subprocess.Popen, run_dir: Path, count: int = 1) -> None:
     deadline = time.time() + 600
-    while not checkpoints(run_dir):
-        assert run.poll() is None and time.time() < deadline, "the run ended before its first checkpoint"
+    while len(checkpoints(run_dir)) < count:
+        assert run.poll() is None and time.time() < deadline, f"the run ended before checkpoint {count}"
         time.sleep(0.005)
 
 
@@ -92,6 +94,13 @@ def unfinished_copy(run_dir: Path, to: Path) -> Path:
     shutil.copytree(run_dir, to)
     (to / "params.msgpack").unlink()
     (to / "summary.json").unlink()
+    return to
+
+
+def unfinished_copy_without_checkpoints(run_dir: Path, to: Path) -> Path:
+    shutil.copytree(run_dir, to)
+    for path in checkpoints(to):
+        path.unlink()
     return to
 
 
@@ -108,27 +117,51 @@ def metrics_without_timing(run_dir: Path) -> list[dict]:
 
 @pytest.mark.parametrize("script", sorted(SMALL))
 def test_resume_after_sigkill_is_bit_identical_to_an_uninterrupted_run(tmp_path, script, finished):
+    """One killed run, resumed once (a compile each, so the refusals and damage that cost no
+    compile are checked on it too): a changed argument and a run dir without checkpoints are
+    refused; a torn newest checkpoint and a torn metrics line are passed over."""
     whole = finished(script)
     killed_dir = tmp_path / "killed"
     killed = start(script, *SMALL[script], "--run-dir", str(killed_dir))
-    wait_for_first_checkpoint(killed, killed_dir)
+    wait_for_checkpoints(killed, killed_dir, 2)
     killed.send_signal(signal.SIGKILL)
     killed.wait()
     assert not (killed_dir / "summary.json").exists(), "killed too late: make the run longer"
-    # A kill mid-write of metrics.jsonl leaves a torn last line: resume drops it and goes on.
+
+    # a changed argument that matters, and a copy without its checkpoints, are refused, and nothing is written
+    before = file_hashes(killed_dir)
+    changed = start(script, "--resume", str(killed_dir), "--lr", "0.1")
+    err = changed.communicate(timeout=120)[1]
+    assert changed.returncode == 2 and "--lr" in err and len(err.strip().splitlines()) == 1
+    assert file_hashes(killed_dir) == before
+    no_checkpoints = unfinished_copy_without_checkpoints(killed_dir, tmp_path / "no-checkpoints")
+    missing = start(script, "--resume", str(no_checkpoints))
+    err = missing.communicate(timeout=120)[1]
+    assert missing.returncode == 2 and "no checkpoint" in err
+
+    # A kill mid-write leaves a torn newest checkpoint (played by truncating it) and a torn last
+    # line of metrics.jsonl: resume warns once, falls back to the previous checkpoint and goes on.
+    *_, older, newest = checkpoints(killed_dir)  # (a kill mid-rotation may leave a third)
+    with open(newest, "r+b") as file:
+        file.truncate(500)
     with open(killed_dir / "metrics.jsonl", "a") as metrics:
         metrics.write('{"cycle": 9999, "env_steps": 12')
-
     resumed = start(script, "--resume", str(killed_dir))
     out, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err
-    assert "resuming" in out and "warning" not in err
+    warnings = [line for line in err.splitlines() if line.strip()]
+    older_cycle = older.stem.split("-")[1]
+    assert len(warnings) == 1 and warnings[0].startswith("warning:"), err
+    assert str(newest) in warnings[0] and f"cycle {older_cycle}" in warnings[0]
+    assert f"resuming {killed_dir} from cycle {older_cycle}" in out
     assert (killed_dir / "params.msgpack").read_bytes() == (whole / "params.msgpack").read_bytes()
     assert metrics_without_timing(killed_dir) == metrics_without_timing(whole)
     assert not list(killed_dir.glob("*.tmp"))
-    assert [path.name for path in checkpoints(killed_dir)] == [path.name for path in checkpoints(whole)]
+    for path, reference in zip(checkpoints(killed_dir), checkpoints(whole), strict=True):  # the torn one rewritten
+        arrays, expected = rundir.read_checkpoint(path), rundir.read_checkpoint(reference)
+        assert path.name == reference.name and all(np.array_equal(arrays[key], expected[key]) for key in expected)
 
-    # a finished run cannot be resumed; a changed argument that matters is refused
+    # a finished run cannot be resumed
     again = start(script, "--resume", str(killed_dir))
     assert again.wait(timeout=120) == 2 and "already finished" in again.stderr.read()
 
@@ -142,7 +175,7 @@ TWO_DEVICES = {
                            "--num-env-steps-per-cycle", "16", "--num-minibatches-per-epoch", "2",
                            "--num-total-env-steps", str(8 * 16 * 12), "--checkpoint-every-cycles", "4"],
 }
-TWO_CPU_DEVICES = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+TWO_CPU_DEVICES = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2")}
 
 
 @pytest.mark.parametrize("script", sorted(TWO_DEVICES))
@@ -154,7 +187,7 @@ def test_two_devices_checkpoint_and_resume_after_sigkill_bit_identically(tmp_pat
     assert "on 2 devices" in out
     assert len(checkpoints(whole_dir)) == 2
     killed = start(script, *TWO_DEVICES[script], "--run-dir", str(killed_dir), env=TWO_CPU_DEVICES)
-    wait_for_first_checkpoint(killed, killed_dir)
+    wait_for_checkpoints(killed, killed_dir)
     killed.send_signal(signal.SIGKILL)
     killed.wait()
     assert not (killed_dir / "summary.json").exists(), "killed too late: make the run longer"
@@ -166,23 +199,6 @@ def test_two_devices_checkpoint_and_resume_after_sigkill_bit_identically(tmp_pat
     assert metrics_without_timing(killed_dir) == metrics_without_timing(whole_dir)
     for resumed_checkpoint, whole_checkpoint in zip(checkpoints(killed_dir), checkpoints(whole_dir), strict=True):
         assert resumed_checkpoint.read_bytes() == whole_checkpoint.read_bytes()
-
-
-@pytest.mark.parametrize("script", sorted(SMALL))
-def test_resume_refuses_a_changed_argument_and_a_missing_checkpoint(tmp_path, script):
-    run_dir = tmp_path / "run"
-    run = start(script, *SMALL[script], "--run-dir", str(run_dir))
-    wait_for_first_checkpoint(run, run_dir)
-    run.send_signal(signal.SIGKILL)
-    run.wait()
-    changed = start(script, "--resume", str(run_dir), "--lr", "0.1")
-    err = changed.communicate(timeout=120)[1]
-    assert changed.returncode == 2 and "--lr" in err and len(err.strip().splitlines()) == 1
-    for path in checkpoints(run_dir):
-        os.remove(path)
-    missing = start(script, "--resume", str(run_dir))
-    err = missing.communicate(timeout=120)[1]
-    assert missing.returncode == 2 and "no checkpoint" in err
 
 
 @pytest.mark.parametrize("script", sorted(NON_FINITE))
@@ -211,29 +227,6 @@ def test_non_finite_reward_stops_updates_keeps_good_params_and_exits_non_zero(tm
 
 
 # --- damaged run dirs -----------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("script", sorted(SMALL))
-def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one_bit_identically(tmp_path, script, finished):
-    whole = finished(script)
-    run_dir = unfinished_copy(whole, tmp_path / "run")
-    older, newest = checkpoints(run_dir)
-    with open(newest, "r+b") as file:
-        file.truncate(500)
-
-    resumed = start(script, "--resume", str(run_dir))
-    out, err = resumed.communicate(timeout=600)
-    assert resumed.returncode == 0, err
-    warnings = [line for line in err.splitlines() if line.strip()]
-    older_cycle = older.stem.split("-")[1]
-    assert len(warnings) == 1 and warnings[0].startswith("warning:"), err
-    assert str(newest) in warnings[0] and f"cycle {older_cycle}" in warnings[0]
-    assert f"resuming {run_dir} from cycle {older_cycle}" in out
-    assert (run_dir / "params.msgpack").read_bytes() == (whole / "params.msgpack").read_bytes()
-    assert metrics_without_timing(run_dir) == metrics_without_timing(whole)
-    for path, reference in zip(checkpoints(run_dir), checkpoints(whole), strict=True):  # the damaged one rewritten
-        arrays, expected = rundir.read_checkpoint(path), rundir.read_checkpoint(reference)
-        assert path.name == reference.name and all(np.array_equal(arrays[key], expected[key]) for key in expected)
 
 
 def call_main(module, argv: list[str]) -> int:

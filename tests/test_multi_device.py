@@ -8,7 +8,7 @@ import os
 import jax
 import numpy as np
 import pytest
-from helpers import run_script
+from helpers import run_script, xla_flags
 
 import ppo_lstm_impala
 import ppo_mlp
@@ -16,7 +16,7 @@ from ppo_support import cpu, devices, envs
 
 TWO_CPU_DEVICES = {
     **os.environ,
-    "XLA_FLAGS": "--xla_force_host_platform_device_count=2 --xla_cpu_enable_concurrency_optimized_scheduler=false",
+    "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2", "--xla_cpu_enable_concurrency_optimized_scheduler=false"),
 }
 
 

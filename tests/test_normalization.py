@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import ROOT, run_script
+from helpers import ROOT, run_script, xla_flags
 
 import ppo_lstm_impala
 import ppo_mlp
@@ -181,7 +181,7 @@ print("same")
 
 
 def test_statistics_under_shard_map_combine_every_device_s_envs():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2"), "PYTHONPATH": str(ROOT)}
     result = subprocess.run([sys.executable, "-c", TWO_DEVICES], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0 and "same" in result.stdout, result.stderr
 
