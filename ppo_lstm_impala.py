@@ -1101,7 +1101,7 @@ def run(args: Args) -> dict[str, Any]:
     session = sessions.Session(args, run_metric_names(env, env_params))  # checks --run-dir or --resume
     init, train = make_train(args, env, env_params, mesh, session.video_recorder(env_params))
     states = session.restore(devices.stack_seeds([init(args.seed + i) for i in range(args.num_seeds)]))
-    cpu.use_unrolled_threefry_on_cpu()  # for the train loop only: it makes init's compile twice as long
+    cpu.use_unrolled_threefry_on_cpu()  # for the train loop only: init compiles faster without it
     if args.lstm_training == "stored":  # T * N * carry_size float32s per seed, said before they are spent
         print(f"--lstm-training stored keeps {args.batch_size * args.carry_size * 4 / 2**20:.1f} MiB of LSTM carries "
               "per seed", flush=True)

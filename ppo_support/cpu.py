@@ -17,9 +17,13 @@ def avoid_cpu_qr_deadlock() -> None:
     (flax's orthogonal init under vmap; init_params also runs one seed at a time for this). This
     CPU-only scheduler flag avoids it at full speed. XLA reads XLA_FLAGS when JAX first starts a
     backend, so this must run before any computation; it leaves a user's own setting alone."""
-    name = "--xla_cpu_enable_concurrency_optimized_scheduler"
+    add_xla_flag("--xla_cpu_enable_concurrency_optimized_scheduler", "false")
+
+
+def add_xla_flag(name: str, value: str) -> None:
+    """Adds `name=value` to XLA_FLAGS unless XLA_FLAGS already sets `name`."""
     if name not in os.environ.get("XLA_FLAGS", ""):
-        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {name}=false".strip()
+        os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {name}={value}".strip()
 
 
 def use_unrolled_threefry_on_cpu() -> None:

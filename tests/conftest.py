@@ -12,13 +12,10 @@ for path in (str(ROOT), str(TESTS)):
 # Subprocess runs of the scripts find probe_envs and ppo_support the same way.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), str(ROOT), os.environ.get("PYTHONPATH")]))
 
-# Every test, in this process and in the processes it starts, compiles at LLVM -O1 (helpers.py).
+# In-process tests get the CPU setting that run() applies, before JAX starts its backend; every
+# test, in this process and in the processes it starts, compiles at LLVM -O1 (helpers.py).
 from helpers import TEST_XLA_FLAGS  # noqa: E402
-
-if TEST_XLA_FLAGS not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
-
-# In-process tests get the CPU setting that run() applies, before JAX starts its backend.
 from ppo_support import cpu  # noqa: E402
 
 cpu.avoid_cpu_qr_deadlock()
+cpu.add_xla_flag(*TEST_XLA_FLAGS.split("="))

@@ -41,12 +41,9 @@ def shared_folder(tmp_path_factory: Any) -> Path:
 @contextlib.contextmanager
 def exclusive(lock_path: Path) -> Iterator[None]:
     """Holds an exclusive lock on lock_path (across processes) for the block."""
-    with open(lock_path, "w") as lock:
+    with open(lock_path, "w") as lock:  # closing the file releases the lock
         fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        yield
 
 
 def run_script(
