@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 
 try:
-    from ppo_support import cli, cpu, devices, envs, evaluation, logs, nan_guard, rundir, sessions
+    from ppo_support import cli, cpu, devices, envs, evaluation, logs, nan_guard, rundir, sessions, sweeps
 except ModuleNotFoundError as missing:  # a copy of this file away from the repository
     if missing.name != "ppo_support":
         raise
@@ -48,6 +48,7 @@ class Args:
     exp_name: str = Path(__file__).stem  # name of the experiment, in the default run dir and the wandb run name
     seed: int = 1  # seed of the first run; seed i uses seed + i
     num_seeds: int = 1  # independent seeds trained together in one compiled program (jax.vmap)
+    sweep: tuple[str, ...] = ()  # KEY=V1,V2,...: a grid of hyper-parameters (lr, clip-eps, norm-adv, ...) x seeds in one program
     num_total_env_steps: int = 20_000_000  # environment steps per seed
 
     # --- rollout (37 details: 1 vectorized env, 30 reward scaling) ----------------------
@@ -233,6 +234,7 @@ class TrainState(NamedTuple):
     non_finite: jax.Array  # NaN guard: 0 while healthy, else the nan_guard.NON_FINITE_CHECKS index that failed
     non_finite_cycle: jax.Array  # the cycle whose update was not finite (0 while healthy)
     reward_stats: RunningMeanStd | None  # --norm-reward: running variance of env.discounted_return; else None
+    sweep: dict[str, jax.Array] | None = None  # --sweep: this run's hyper-parameters (ppo_support/sweeps.py); else None
 
 
 class UpdateCarry(NamedTuple):
@@ -715,10 +717,10 @@ def ppo_loss_terms(
     """Clipped surrogate and value losses on one minibatch (37 details: 7, 8, 9): (policy_loss,
     value_loss, metrics); the total is policy_loss - ent_coef * entropy + vf_coef * value_loss."""
     advantage = batch.advantage
-    if norm_adv:  # over the whole minibatch, every device's share of it included
+    if norm_adv is not False:  # over the whole minibatch, every device's share of it included
         mean = devices.mean_over_devices(advantage.mean(), axis_name)
         std = jnp.sqrt(devices.mean_over_devices(((advantage - mean) ** 2).mean(), axis_name))
-        advantage = (advantage - mean) / (std + 1e-8)
+        advantage = sweeps.where(norm_adv, (advantage - mean) / (std + 1e-8), advantage)  # --sweep: a traced bool
     logratio = new_logp - batch.logp
     ratio = jnp.exp(logratio)
     surrogate = ratio * advantage
@@ -727,9 +729,10 @@ def ppo_loss_terms(
 
     value_change = new_value - batch.value
     unclipped_value_loss = (new_value - batch.target) ** 2
-    if clip_vloss:
+    if clip_vloss is not False:
         clipped_value = batch.value + jnp.clip(value_change, -clip_eps, clip_eps)
-        value_loss = 0.5 * jnp.maximum(unclipped_value_loss, (clipped_value - batch.target) ** 2).mean()
+        clipped_value_loss = jnp.maximum(unclipped_value_loss, (clipped_value - batch.target) ** 2)
+        value_loss = 0.5 * sweeps.where(clip_vloss, clipped_value_loss, unclipped_value_loss).mean()
     else:
         value_loss = 0.5 * unclipped_value_loss.mean()
 
@@ -764,9 +767,9 @@ MINIBATCH_METRIC_NAMES = ("losses/policy_loss", "losses/value_loss", "losses/ent
 def annealed(value: float, anneal: bool, num_steps: int) -> optax.Schedule:
     """`value` at gradient step 0, falling linearly to exactly 0 at step num_steps - 1 and never
     below (37 details: 4); or constant. (optax.linear_schedule ends at -6e-12 in float32.)"""
-    if not anneal:
+    if anneal is False:
         return optax.constant_schedule(value)
-    return lambda step: value * jnp.clip(1.0 - step / max(num_steps - 1, 1), 0.0, 1.0)
+    return lambda step: value * sweeps.where(anneal, jnp.clip(1.0 - step / max(num_steps - 1, 1), 0.0, 1.0), 1.0)
 
 
 def make_optimizer(args: Args) -> optax.GradientTransformation:
@@ -910,6 +913,9 @@ def train_cycle(
 ) -> tuple[TrainState, dict[str, jax.Array]]:
     """One cycle of one seed: a rollout, GAE, then the update epochs. Returns the new state and
     the cycle's metrics (run_metric_names). Under shard_map it sees this device's envs."""
+    if state.sweep is not None:  # --sweep: this run's hyper-parameters (traced) in place of the flags'
+        args = sweeps.point_args(args, state.sweep)
+        optimizer = make_optimizer(args)
     key, reset_key, rollout_key, update_key = jax.random.split(state.key, 4)
     reset_key, rollout_key, update_key = (devices.per_device(k, axis_name) for k in (reset_key, rollout_key, update_key))
     env_carry = state.env
@@ -1019,7 +1025,7 @@ def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | 
 
     axis_name = None if mesh is None else devices.DEVICE_AXIS
     one_seed = lambda state: train_cycle(state, network, optimizer, env, env_params, args, axis_name, info_names)  # noqa: E731
-    every_seed = nan_guard.skip_when_every_seed_failed(devices.vmap_over_seeds(one_seed, args.num_seeds), metric_names)
+    every_seed = nan_guard.skip_when_every_seed_failed(devices.vmap_over_seeds(one_seed), metric_names)
     one_cycle = every_seed if mesh is None else devices.shard_over_devices(every_seed, mesh, TrainState)
     policy = make_evaluation(network, env, env_params, args)
     one_cycle, metric_names = evaluation.with_evaluation(one_cycle, metric_names, policy, args, env_params, video_fn)  # eval/*

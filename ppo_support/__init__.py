@@ -14,6 +14,7 @@ imports a script.
     nan_guard   a seed whose update is not finite keeps its last good parameters
     rundir      the run dir: args.json, checkpoints, resume, params and summary
     sessions    one training session: the run dir opened, the program compiled, trained, saved
+    sweeps      --sweep: a grid of hyper-parameters in the seeds' vmap, each point a run of its own
     videos      GIFs of evaluation episodes
 """
 

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import jax
 import tyro
 
-from . import devices, rundir
+from . import devices, rundir, sweeps
 from .errors import ConfigError, WriteError, flag
 
 # Flags of both scripts that must be positive integers.
@@ -73,6 +73,17 @@ def check_common_args(args: Any, more_positive_ints: tuple[str, ...] = ()) -> No
     if args.optimistic_reset_ratio < 1:
         raise ConfigError(f"--optimistic-reset-ratio must be at least 1, got {args.optimistic_reset_ratio}")
     check_distributed_args(args)
+    check_sweep(args, more_positive_ints)
+
+
+def check_sweep(args: Any, more_positive_ints: tuple[str, ...]) -> None:
+    """--sweep: its keys and values (sweeps.parse), and each point's values as their own flags'."""
+    grid = sweeps.parse(args)
+    for point in grid.points if grid else []:
+        try:
+            check_common_args(sweeps.point_args(dataclasses.replace(args, sweep=()), point), more_positive_ints)
+        except ConfigError as error:
+            raise ConfigError(f"--sweep {sweeps.point_label(point)}: {error}") from None
 
 
 def check_distributed_args(args: Any) -> None:
@@ -131,7 +142,7 @@ def parse_args(args_class: type, argv: list[str] | None = None) -> Any:
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
-            return tyro.cli(args_class, args=argv, default=default)
+            args = tyro.cli(args_class, args=argv, default=default)
     except SystemExit as exit_request:
         if exit_request.code in (0, None):
             raise
@@ -143,6 +154,12 @@ def parse_args(args_class: type, argv: list[str] | None = None) -> Any:
         message = " ".join(itertools.takewhile(lambda text: not is_rule(text), body))
         print(f"error: {message or captured.getvalue().strip()}", file=sys.stderr)
         raise SystemExit(2) from None
+    try:
+        sweeps.check_not_also_flags(sweeps.parse(args), argv)
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return args
 
 
 def main(parse_and_run: Callable[[], dict[str, Any]]) -> int:
@@ -155,7 +172,8 @@ def main(parse_and_run: Callable[[], dict[str, Any]]) -> int:
         return leave(2, error)
     except (WriteError, OSError, devices.ProcessLost) as error:  # an unwritable run dir (disk full, ...), a lost process
         return leave(1, error)
-    return leave(1 if summary["failures"] else 0)
+    failed = summary["every_point_failed"] if "every_point_failed" in summary else bool(summary["failures"])  # --sweep
+    return leave(1 if failed else 0)
 
 
 def leave(code: int, error: Exception | None = None) -> int:

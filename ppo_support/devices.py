@@ -51,17 +51,17 @@ def per_device(key: jax.Array, axis_name: str | None) -> jax.Array:
     return jax.random.fold_in(key, jax.lax.axis_index(axis_name))
 
 
-def vmap_over_seeds(train_cycle_of_one_seed: Callable, num_seeds: int) -> Callable:
-    """The cycle of every seed (leading axis of the states and metrics). One seed runs unvmapped:
-    vmap over a size-1 axis turns every matmul into a batched one, which XLA:CPU runs slower."""
-    if num_seeds > 1:
-        return jax.vmap(train_cycle_of_one_seed)
+def vmap_over_seeds(fn_of_one_seed: Callable) -> Callable:
+    """fn of every seed: vmapped over the leading axis of its arguments and results (the seeds;
+    with --sweep, every point's seeds). One seed runs unvmapped: vmap over a size-1 axis turns
+    every matmul into a batched one, which XLA:CPU runs slower."""
 
-    def one_seed(states: Any) -> tuple[Any, dict[str, jax.Array]]:
-        state, metrics = train_cycle_of_one_seed(jax.tree.map(lambda x: x[0], states))
-        return jax.tree.map(lambda x: x[None], (state, metrics))
+    def every_seed(*trees: Any) -> Any:
+        if jax.tree.leaves(trees)[0].shape[0] > 1:
+            return jax.vmap(fn_of_one_seed)(*trees)
+        return jax.tree.map(lambda x: x[None], fn_of_one_seed(*jax.tree.map(lambda x: x[0], trees)))
 
-    return one_seed
+    return every_seed
 
 
 def stack_seeds(trees: list[Any]) -> Any:

@@ -116,9 +116,7 @@ def with_evaluation(
         return cycle_of_every_seed, metric_names
     evaluate_one_seed = lambda state, key: evaluate_policy(policy, state, key, args, env_params)  # noqa: E731
     first = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
-    evaluate_every_seed = jax.vmap(evaluate_one_seed) if args.num_seeds > 1 else (  # see devices.vmap_over_seeds
-        lambda states, keys: jax.tree.map(lambda x: x[None], evaluate_one_seed(first(states), keys[0]))
-    )
+    evaluate_every_seed = devices.vmap_over_seeds(evaluate_one_seed)
 
     def evaluate(states: Any) -> dict[str, jax.Array]:
         keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(states.key, EVAL_KEY_TAG)  # the states' keys are not consumed

@@ -56,13 +56,16 @@ def send_to_host(
     the last cycle), sends the buffered rows to log_fn(cycles, num_rows, rows) when the buffer is
     full and at the end, and every checkpoint interval, in one callback, first the rows and then
     the states to checkpoint_fn(cycle, states), unless a seed has failed (the last good checkpoint
-    stays on disk). One callback, so that a checkpoint never reaches the host before the rows up
-    to it: JAX orders callbacks on one device only (`ordered`). On several, each row and
-    checkpoint carries its cycle number, and the checkpointer never goes back in time."""
+    stays on disk; a --sweep goes on checkpointing its other points). One callback, so that a
+    checkpoint never reaches the host before the rows up to it: JAX orders callbacks on one device
+    only (`ordered`). On several, each row and checkpoint carries its cycle number, and the
+    checkpointer never goes back in time."""
     cycle = states.cycle[0]
     should_save = jnp.bool_(False)
     if checkpoint_fn is not None:
-        should_save = (cycle % checkpoint_interval(args) == 0) & ~jnp.any(states.non_finite > 0)
+        should_save = cycle % checkpoint_interval(args) == 0
+        if getattr(states, "sweep", None) is None:  # a --sweep checkpoints on: its failed runs stay frozen
+            should_save = should_save & ~jnp.any(states.non_finite > 0)
     sent = outbox
     if log_fn is not None:
         last = cycle == args.num_cycles
@@ -147,8 +150,11 @@ class MetricsLogger:
     """Host side of the metrics callback: metrics.jsonl, a console line and wandb. A failed write
     (disk full, no permission) raises a WriteError, which stops the run."""
 
-    def __init__(self, args: Any, run_dir: Path, metric_names: tuple[str, ...]):
+    def __init__(self, args: Any, run_dir: Path, metric_names: tuple[str, ...], tags: dict[str, Any] | None = None,
+                 console: bool = True):
         self.args = args
+        self.tags = tags or {}  # added to every row of metrics.jsonl (a --sweep point's values)
+        self.console = console  # print the console line (a --sweep prints one line for its points)
         self.metric_names = metric_names  # the order of the rows' values: the script's run_metric_names
         self.seeds = [args.seed + i for i in range(args.num_seeds)]
         self.path = run_dir / "metrics.jsonl"
@@ -185,7 +191,7 @@ class MetricsLogger:
         self.write_rows(cycles, rows, sps)
         if self.wandb_runs:
             self.log_to_wandb(cycles, rows, sps)
-        if now - self.last_print >= 1.0 or cycles[-1] == self.args.num_cycles:
+        if self.console and (now - self.last_print >= 1.0 or cycles[-1] == self.args.num_cycles):
             self.last_print = now
             self.print_line(cycles[-1], rows[-1], sps, now)
 
@@ -194,7 +200,8 @@ class MetricsLogger:
         lines = []
         for row_cycle, row in zip(cycles, rows):
             for seed, seed_values in zip(self.seeds, row):
-                line = {"cycle": row_cycle, "env_steps": row_cycle * self.args.batch_size, "seed": seed, "charts/SPS": sps}
+                line = {"cycle": row_cycle, "env_steps": row_cycle * self.args.batch_size, "seed": seed, **self.tags,
+                        "charts/SPS": sps}
                 line.update((name, value if math.isfinite(value) else None) for name, value in zip(self.metric_names, seed_values))
                 lines.append(json.dumps(line))
         try:
@@ -294,26 +301,29 @@ def clock(seconds: float) -> str:
     return f"{minutes // 60}:{minutes % 60:02d}:{seconds:02d}"
 
 
-def start_wandb_runs(args: Any, run_dir: Path) -> list[Any]:
+def start_wandb_runs(args: Any, run_dir: Path, name: str | None = None, more_config: dict[str, Any] | None = None) -> list[Any]:
     """The wandb runs, seed 0's first: one per seed with --wandb-run-per-seed (named run_name,
     its seed in the config), else one named after the run dir. Each config holds every arg,
     the script (rundir.script_info) and its git commit; the group defaults to rundir.experiment_name. Each run's id is kept in
-    RUN_DIR (wandb_id.txt, or wandb_id_seed_<seed>.txt), so that --resume continues it."""
+    RUN_DIR (wandb_id.txt, or wandb_id_seed_<seed>.txt), so that --resume continues it. name and
+    more_config: a --sweep point's run name (in place of the run dir's) and its swept values."""
     import wandb
 
-    config = {**dataclasses.asdict(args), **rundir.script_info(args), **rundir.git_info(rundir.script_path(args))}
+    config = {**dataclasses.asdict(args), **rundir.script_info(args), **rundir.git_info(rundir.script_path(args)),
+              **(more_config or {})}
     seeds = [args.seed + i for i in range(args.num_seeds)] if args.wandb_run_per_seed else [None]
     wandb_runs = []
     for seed in seeds:
         id_file = run_dir / ("wandb_id.txt" if seed is None else f"wandb_id_seed_{seed}.txt")
         resumed_id = id_file.read_text().strip() if id_file.exists() else None
-        name = run_dir.name if seed is None else rundir.run_name(args, seed)
+        run_name = name or run_dir.name
+        run_name = run_name if seed is None else f"{rundir.run_name(args, seed)}{'' if name is None else '__' + name}"
         wandb_run = wandb.init(
             project=args.wandb_project,
             entity=args.wandb_entity,
             group=args.wandb_group or rundir.experiment_name(args),
             tags=list(args.wandb_tags),
-            name=None if resumed_id and seed is not None else name,  # a resumed seed's run keeps its first name
+            name=None if resumed_id and seed is not None else run_name,  # a resumed seed's run keeps its first name
             mode=args.wandb_mode,
             dir=str(run_dir),
             config=config if seed is None else {**config, "seed": seed},

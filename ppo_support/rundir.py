@@ -266,9 +266,10 @@ class Checkpointer:
 # --- resume -----------------------------------------------------------------------------------
 
 
-def prepare_resume(args: Any, metric_names: tuple[str, ...]) -> tuple[Path, Checkpointer]:
+def prepare_resume(args: Any, metric_names: tuple[str, ...], folders: list[str] = (".",)) -> tuple[Path, Checkpointer]:
     """Checks that --resume can continue the run in that folder, and reads its newest checkpoint
-    that validates. Nothing in the folder changes here."""
+    that validates. `folders`: where its metrics.jsonl files are (a --sweep's point folders).
+    Nothing in the folder changes here."""
     run_dir = Path(args.resume)
     if not (run_dir / "args.json").exists():
         raise ConfigError(f"--resume {run_dir}: no args.json there, so no run to resume")
@@ -281,7 +282,8 @@ def prepare_resume(args: Any, metric_names: tuple[str, ...]) -> tuple[Path, Chec
             )
     if (run_dir / "summary.json").exists():
         raise ConfigError(f"--resume {run_dir}: that run already finished")
-    read_resumable_rows(run_dir / "metrics.jsonl", metric_names)
+    for folder in folders:
+        read_resumable_rows(run_dir / folder / "metrics.jsonl", metric_names)
     checkpointer = Checkpointer(run_dir, args.keep_checkpoints)
     checkpointer.read_newest_valid()
     return run_dir, checkpointer

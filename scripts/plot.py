@@ -5,8 +5,8 @@
     python scripts/plot.py runs/a --out debug.png --debug-grid --smooth 20
     python scripts/plot.py runs/a runs/b --out curves.png --ci bootstrap
 
-One curve per run dir, labelled by the args that differ between the run dirs' args.json (e.g.
-`clip_eps=0.1`). Cycles in which no episode finished have a null return: they are skipped, never
+One curve per run dir (a --sweep's run dir: one per point), labelled by the args that differ
+between the run dirs' args.json (e.g. `clip_eps=0.1`). Cycles in which no episode finished have a null return: they are skipped, never
 plotted as 0. The band is ±1 std over seeds (default), min-max over seeds (--band minmax), or
 with --ci bootstrap the 95% percentile bootstrap confidence interval of the mean over seeds
 (2000 resamples of the seeds, fixed RNG seed; see stats.py).
@@ -150,10 +150,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--out {options.out}: use a .png, .pdf or .svg file name")
     runs = []
     for run_dir in options.run_dirs:
-        try:
-            runs.append(read_run(run_dir))
-        except (FileNotFoundError, rundir.DamagedFile) as error:
-            parser.error(str(error))
+        points = sorted(Path(run_dir).glob("point-*"), key=lambda path: int(path.name.split("-")[1]))
+        for one_run in points if points and not (Path(run_dir) / "metrics.jsonl").exists() else [run_dir]:  # a --sweep: its points
+            try:
+                runs.append(read_run(one_run))
+            except (FileNotFoundError, rundir.DamagedFile) as error:
+                parser.error(str(error))
     debug_metrics = ()
     if options.debug_grid:
         try:

@@ -1,0 +1,180 @@
+"""--sweep: a grid of hyper-parameters x seeds trained in one compiled program (ppo_support/sweeps.py).
+
+A point trained inside a sweep must train as the same flags do alone, swept booleans as their
+flags; shape-changing keys and bad values are refused; a resumed sweep equals an uninterrupted
+one; a point whose update is not finite is frozen while the others go on; each point is a wandb
+run of its own."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from helpers import read_wandb_offline_run, run_script
+from ppo_support import rundir
+
+# 3 cycles of 2 seeds.
+TINY = {
+    "ppo_mlp.py": ["--num-parallel-envs", "4", "--num-env-steps-per-cycle", "32", "--num-total-env-steps", "384",
+                   "--num-seeds", "2"],
+    "ppo_lstm_impala.py": ["--env-id", "probe_envs:Memory", "--impala-channels", "4", "--torso-size", "16",
+                           "--lstm-size", "16", "--num-parallel-envs", "4", "--num-env-steps-per-cycle", "10",
+                           "--num-minibatches-per-epoch", "2", "--num-total-env-steps", "120", "--num-seeds", "2"],
+}
+
+
+def rows(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        row.pop("charts/SPS")  # host wall-clock
+    return rows
+
+
+def params(script: str, run_dir: Path) -> list[np.ndarray]:
+    module = importlib.import_module(Path(script).stem)
+    return [np.asarray(leaf) for leaf in jax.tree.leaves(module.load_params(run_dir)[1])]
+
+
+def assert_close_rows(swept: list[dict], alone: list[dict]) -> None:
+    assert len(swept) == len(alone)
+    for swept_row, alone_row in zip(swept, alone):
+        assert swept_row.pop("sweep")
+        assert swept_row.keys() == alone_row.keys()
+        for name, value in alone_row.items():
+            if value is None:
+                assert swept_row[name] is None, name
+            else:
+                np.testing.assert_allclose(swept_row[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("script", sorted(TINY))
+def test_a_point_of_a_sweep_trains_as_its_flags_do_alone(tmp_path, script):
+    """Point 1 (lr 1e-3, norm-adv off) against --lr 1e-3 --no-norm-adv, point 2 (lr 3e-3,
+    norm-adv on) against --lr 3e-3: the same parameters and metrics up to float rounding (the
+    programs batch their runs differently), while the points differ from each other."""
+    sweep_dir = tmp_path / "sweep"
+    result = run_script(script, *TINY[script], "--sweep", "lr=1e-3,3e-3", "norm-adv=true,false", "--run-dir", str(sweep_dir))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "x 2 seeds x 4 points" in result.stdout
+    grid = [{"lr": 1e-3, "norm-adv": True}, {"lr": 1e-3, "norm-adv": False}, {"lr": 3e-3, "norm-adv": True},
+            {"lr": 3e-3, "norm-adv": False}]
+    summary = json.loads((sweep_dir / "summary.json").read_text())
+    assert [point["sweep"] for point in summary["points"]] == grid
+    assert json.loads((sweep_dir / "args.json").read_text())["sweep"] == ["lr=1e-3,3e-3", "norm-adv=true,false"]
+    assert sorted(path.name for path in sweep_dir.glob("checkpoint-*.npz"))
+    for index, point in enumerate(grid):
+        point_dir = sweep_dir / f"point-{index}"
+        saved = json.loads((point_dir / "args.json").read_text())
+        assert (saved["sweep"], saved["lr"], saved["norm_adv"]) == ([], point["lr"], point["norm-adv"])
+        assert all(row["sweep"] == point for row in rows(point_dir))
+        assert json.loads((point_dir / "summary.json").read_text())["num_seeds"] == 2
+
+    for index, flags in [(1, ["--lr", "1e-3", "--no-norm-adv"]), (2, ["--lr", "3e-3"])]:
+        alone_dir = tmp_path / f"alone-{index}"
+        result = run_script(script, *TINY[script], *flags, "--run-dir", str(alone_dir))
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert_close_rows(rows(sweep_dir / f"point-{index}"), rows(alone_dir))
+        for swept, alone in zip(params(script, sweep_dir / f"point-{index}"), params(script, alone_dir), strict=True):
+            np.testing.assert_allclose(swept, alone, rtol=1e-5, atol=1e-6)
+    # every point trained with its own values: no two points end with the same parameters
+    ends = [np.concatenate([leaf.ravel() for leaf in params(script, sweep_dir / f"point-{index}")]) for index in range(4)]
+    assert min(np.abs(a - b).max() for i, a in enumerate(ends) for b in ends[i + 1:]) > 1e-4
+
+
+def call_main(script: str, argv: list[str]) -> int:
+    try:
+        return importlib.import_module(Path(script).stem).main(argv)
+    except SystemExit as exit_request:
+        return exit_request.code
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("ppo_mlp.py", ["--sweep", "num-parallel-envs=4,8"], "--num-parallel-envs changes array shapes"),
+    ("ppo_lstm_impala.py", ["--sweep", "lstm-size=16,32"], "--lstm-size changes array shapes"),
+    ("ppo_lstm_impala.py", ["--sweep", "torso=mlp,impala"], "--torso changes array shapes"),
+    ("ppo_mlp.py", ["--sweep", "hidden-sizes=64,128"], "scripts/sweep.py"),
+    ("ppo_mlp.py", ["--sweep", "learning-rate=1e-3,3e-3"], "--sweep learning-rate: no such flag; sweepable: lr, clip-eps"),
+    ("ppo_mlp.py", ["--sweep", "lr=1e-3,abc"], "--sweep lr: 'abc' is not a number"),
+    ("ppo_mlp.py", ["--sweep", "lr=1e-3,inf"], "not a finite number"),
+    ("ppo_mlp.py", ["--sweep", "lr=-1e-3,1e-3"], "--sweep lr=-0.001: --lr must be a finite number > 0"),
+    ("ppo_mlp.py", ["--sweep", "gamma=0.9,1.5"], "--gamma must be in [0, 1]"),
+    ("ppo_mlp.py", ["--sweep", "lr=1e-3,,3e-3"], "--sweep lr: empty value"),
+    ("ppo_mlp.py", ["--sweep", "lr="], "--sweep lr: empty value"),
+    ("ppo_mlp.py", ["--sweep", "lr=1e-3,0.001"], "the same value"),
+    ("ppo_mlp.py", ["--sweep", "lr=1e-3", "lr=3e-3"], "--sweep lr: given twice"),
+    ("ppo_mlp.py", ["--sweep", "lr=1e-3,3e-3", "--lr", "1e-3"], "--lr is also swept by --sweep lr"),
+    ("ppo_lstm_impala.py", ["--no-norm-adv", "--sweep", "norm-adv=true,false"], "--no-norm-adv is also swept"),
+    ("ppo_mlp.py", ["--sweep", "norm-adv=true,maybe"], "--sweep norm-adv: 'maybe' is not true or false"),
+    ("ppo_mlp.py", ["--sweep", "target-kl=none,0.01"], "--sweep target-kl: none (off) cannot be swept with numbers"),
+    ("ppo_mlp.py", ["--sweep", "lr"], "--sweep takes KEY=V1,V2,..., got 'lr'"),
+])
+def test_bad_sweeps_are_refused_with_one_line_and_nothing_written(tmp_path, capsys, script, argv, message):
+    assert call_main(script, [*argv, "--run-dir", str(tmp_path / "never")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and message in err, err
+    assert not (tmp_path / "never").exists()
+
+
+NAN_SWEEP = [*TINY["ppo_mlp.py"][:4], "--num-total-env-steps", str(128 * 8), "--checkpoint-every-cycles", "2",
+             "--sweep", "lr=1e-3,1e38"]  # lr 1e38 overflows the parameters in the first cycle
+
+
+def test_a_failed_point_is_frozen_the_others_go_on_and_a_resumed_sweep_is_bit_identical(tmp_path):
+    """lr 1e38: that point's update is not finite in cycle 1, so it keeps its initial parameters;
+    the other point trains on, checkpoints go on, and the exit code is 0. A copy resumed from its
+    older checkpoint ends bit for bit as the uninterrupted sweep."""
+    whole = tmp_path / "whole"
+    result = run_script("ppo_mlp.py", *NAN_SWEEP, "--run-dir", str(whole))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stderr.startswith("warning: point 1 (lr=1e+38): seed 1: non-finite loss at cycle 1")
+    summary = json.loads((whole / "summary.json").read_text())
+    assert summary["failures"] == {"point-1": {"1": {"cycle": 1, "non_finite": "loss"}}}
+    assert not summary["every_point_failed"] and summary["points"][0]["failures"] == {}
+    assert json.loads((whole / "point-1" / "summary.json").read_text())["failures"] == {"1": {"cycle": 1, "non_finite": "loss"}}
+    newest = rundir.read_checkpoint(whole / "checkpoint-8.npz")
+    assert int(newest["cycle"]) == 8  # checkpoints went on after the failure, and hold finite values only
+    assert all(np.all(np.isfinite(leaf)) for leaf in newest.values() if leaf.dtype.kind == "f")
+    assert [row["losses/epochs_run"] for row in rows(whole / "point-1")][1:] == [0] * 7  # nothing applied after cycle 1
+    assert all(row["losses/epochs_run"] == 4 for row in rows(whole / "point-0"))
+
+    resumed = tmp_path / "resumed"
+    shutil.copytree(whole, resumed)
+    (resumed / "checkpoint-8.npz").unlink()
+    for path in [resumed / "summary.json", *resumed.glob("point-*/summary.json"), *resumed.glob("point-*/params.msgpack")]:
+        path.unlink()
+    result = run_script("ppo_mlp.py", "--resume", str(resumed))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resuming {resumed} from cycle 6" in result.stdout
+    for index in range(2):
+        assert (resumed / f"point-{index}" / "params.msgpack").read_bytes() == (whole / f"point-{index}" / "params.msgpack").read_bytes()
+        assert rows(resumed / f"point-{index}") == rows(whole / f"point-{index}")
+    assert (resumed / "checkpoint-8.npz").read_bytes() == (whole / "checkpoint-8.npz").read_bytes()
+
+    every = tmp_path / "every"
+    result = run_script("ppo_mlp.py", *NAN_SWEEP[:-1], "lr=1e37,1e38", "--run-dir", str(every))
+    assert result.returncode == 1
+    assert [line.split(":")[0] for line in result.stderr.splitlines()] == ["error", "error"]
+    assert json.loads((every / "summary.json").read_text())["every_point_failed"]
+
+
+def test_each_point_is_a_wandb_run_with_its_values_in_its_config_and_name(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_script("ppo_mlp.py", *TINY["ppo_mlp.py"], "--sweep", "ent-coef=0,0.01", "clip-vloss=true,false", "--track",
+                        "--wandb-mode", "offline", "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = [read_wandb_offline_run(next((run_dir / f"point-{index}").glob("wandb/offline-run-*"))) for index in range(4)]
+    assert len({run["id"] for run in runs}) == 4 and {run["group"] for run in runs} == {"run"}
+    for index, (run, (ent_coef, clip_vloss)) in enumerate(zip(runs, [(0, True), (0, False), (0.01, True), (0.01, False)])):
+        assert run["config"]["sweep"] == {"ent-coef": ent_coef, "clip-vloss": clip_vloss}
+        assert (run["config"]["ent_coef"], run["config"]["clip_vloss"]) == (ent_coef, clip_vloss)
+        assert run["name"] == f"run__ent-coef={ent_coef:g},clip-vloss={clip_vloss}"
+        # each run logs its point's rows: per cycle, the mean over its two seeds
+        point_rows = rows(run_dir / f"point-{index}")
+        expected = [np.mean([row["losses/value_loss"] for row in point_rows if row["cycle"] == cycle]) for cycle in (1, 2, 3)]
+        assert [row["losses/value_loss"] for row in run["history"]] == pytest.approx(expected, rel=1e-6)
