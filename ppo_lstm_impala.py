@@ -47,7 +47,7 @@ class Args:
     env_id: str = "Breakout-MinAtar"  # a gymnax id (images: the IMPALA CNN; else --torso mlp), or `module.path:Name` (see ppo_mlp.py)
     exp_name: str = Path(__file__).stem  # name of the experiment, in the default run dir and the wandb run name
     seed: int = 1  # seed of the first run; seed i uses seed + i
-    num_seeds: int = 1  # independent seeds trained together in one compiled program (jax.vmap)
+    num_seeds: int = 1  # independent seeds trained together in one compiled program (jax.vmap; on CPU in turn)
     sweep: tuple[str, ...] = ()  # KEY=V1,V2,...: a grid of hyper-parameters (lr, clip-eps, norm-adv, ...) x seeds in one program
     num_total_env_steps: int = 20_000_000  # environment steps per seed
 
@@ -1025,7 +1025,7 @@ def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | 
 
     axis_name = None if mesh is None else devices.DEVICE_AXIS
     one_seed = lambda state: train_cycle(state, network, optimizer, env, env_params, args, axis_name, info_names)  # noqa: E731
-    every_seed = nan_guard.skip_when_every_seed_failed(devices.vmap_over_seeds(one_seed), metric_names)
+    every_seed = nan_guard.skip_when_every_seed_failed(cpu.seeds_in_turn_on_cpu(one_seed), metric_names)  # vmapped off CPU
     one_cycle = every_seed if mesh is None else devices.shard_over_devices(every_seed, mesh, TrainState)
     policy = make_evaluation(network, env, env_params, args)
     one_cycle, metric_names = evaluation.with_evaluation(one_cycle, metric_names, policy, args, env_params, video_fn)  # eval/*

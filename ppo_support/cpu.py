@@ -1,15 +1,18 @@
 """CPU settings, applied by each script's run() before JAX starts its backend: XLA's scheduler
-flag against a deadlock, the unrolled threefry PRNG, and the 3x3 convolution that
-ppo_lstm_impala.py's network uses on CPU. They change how fast training runs, not what it does."""
+flag against a deadlock, the unrolled threefry PRNG, and for ppo_lstm_impala.py the 3x3
+convolution its network uses on CPU and its seeds trained in turn. They change how fast training
+runs, not what it does."""
 
 from __future__ import annotations
 
 import functools
 import os
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+
+from . import devices
 
 
 def avoid_cpu_qr_deadlock() -> None:
@@ -24,6 +27,15 @@ def add_xla_flag(name: str, value: str) -> None:
     """Adds `name=value` to XLA_FLAGS unless XLA_FLAGS already sets `name`."""
     if name not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {name}={value}".strip()
+
+
+def seeds_in_turn_on_cpu(fn_of_one_seed: Callable) -> Callable:
+    """ppo_lstm_impala.py's cycle of every seed (and --sweep point): on CPU one seed after another
+    (devices.map_over_seeds), as XLA:CPU trains vmapped seeds' networks about half as fast per seed
+    (docs/performance.md); elsewhere vmapped (devices.vmap_over_seeds)."""
+    if jax.default_backend() == "cpu":
+        return devices.map_over_seeds(fn_of_one_seed)
+    return devices.vmap_over_seeds(fn_of_one_seed)
 
 
 def use_unrolled_threefry_on_cpu() -> None:

@@ -64,6 +64,18 @@ def vmap_over_seeds(fn_of_one_seed: Callable) -> Callable:
     return every_seed
 
 
+def map_over_seeds(fn_of_one_seed: Callable) -> Callable:
+    """fn of every seed as vmap_over_seeds gives it, but one seed after another (jax.lax.map):
+    each seed runs the unbatched program."""
+
+    def every_seed(*trees: Any) -> Any:
+        if jax.tree.leaves(trees)[0].shape[0] > 1:
+            return jax.lax.map(lambda one_seed: fn_of_one_seed(*one_seed), trees)
+        return jax.tree.map(lambda x: x[None], fn_of_one_seed(*jax.tree.map(lambda x: x[0], trees)))
+
+    return every_seed
+
+
 def stack_seeds(trees: list[Any]) -> Any:
     return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
 

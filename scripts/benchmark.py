@@ -47,6 +47,10 @@ CONFIGS = {
         ],
         "gpu-256-seeds-x-4-envs": ["--num-seeds", "256"],
         "gpu-1-seed-x-2048-envs": ["--num-parallel-envs", "2048", "--num-total-env-steps", "10000000"],
+        # 16 learning rates x 16 seeds in one program (--sweep)
+        "gpu-sweep-16-lrs-x-16-seeds": ["--num-seeds", "16", "--sweep", "lr=" + ",".join(
+            f"{value:g}" for value in [5e-5, 1e-4, 1.5e-4, 2e-4, 2.5e-4, 3e-4, 4e-4, 5e-4, 7e-4, 1e-3, 1.5e-3, 2e-3, 3e-3,
+                                       5e-3, 7e-3, 1e-2])],
     },
     "ppo_lstm_impala.py": {
         "breakout-defaults-bptt": ["--num-total-env-steps", "32768"],
@@ -55,6 +59,7 @@ CONFIGS = {
         "breakout-defaults-stored": ["--num-total-env-steps", "32768", "--lstm-training", "stored"],
         "breakout-defaults-ff": ["--num-total-env-steps", "32768", "--lstm-size", "0"],
         "breakout-quarter-bptt": ["--num-total-env-steps", "32768", "--num-parallel-envs", "64"],
+        "breakout-quarter-bptt-2-seeds": ["--num-total-env-steps", "16384", "--num-parallel-envs", "64", "--num-seeds", "2"],
         # GPU: 20 cycles of the defaults (655k env steps) is enough for a steady rate
         "gpu-defaults": ["--num-total-env-steps", "655360"],
         "gpu-defaults-8-seeds": ["--num-total-env-steps", "655360", "--num-seeds", "8"],
@@ -62,7 +67,7 @@ CONFIGS = {
     },
 }
 GPU_CONFIGS = {
-    "ppo_mlp.py": ["gpu-256-seeds-x-4-envs", "gpu-1-seed-x-2048-envs"],
+    "ppo_mlp.py": ["gpu-256-seeds-x-4-envs", "gpu-1-seed-x-2048-envs", "gpu-sweep-16-lrs-x-16-seeds"],
     "ppo_lstm_impala.py": ["gpu-defaults", "gpu-defaults-8-seeds", "gpu-1-seed-x-2048-envs"],
 }
 DEFAULT_RUN_ENV_STEPS = {"ppo_mlp.py": 500_000, "ppo_lstm_impala.py": 20_000_000}  # each script's --num-total-env-steps
@@ -95,7 +100,10 @@ def best_row(script: str, name: str, flags: list[str], repeats: int) -> str:
         with tempfile.TemporaryDirectory() as folder:
             summaries.append(run_config(script, flags, Path(folder) / "run"))
     best = max(summaries, key=lambda summary: summary["sps"])
-    final, device_mb = best["final_episodic_return"], best.get("peak_device_memory_mb")
+    final, device_mb = best.get("final_episodic_return"), best.get("peak_device_memory_mb")
+    if "points" in best:  # a --sweep: its best point's
+        final = max((point["final_episodic_return"] for point in best["points"] if point["final_episodic_return"] is not None),
+                    default=None)
     per_seed_sps = best["sps"] / best["num_seeds"]
     default_run_hours = (best["compile_seconds"] + DEFAULT_RUN_ENV_STEPS[script] / per_seed_sps) / 3600
     return (
