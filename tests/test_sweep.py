@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import read_wandb_offline_run, run_script
+from helpers import read_wandb_offline_run, run_script, xla_flags
 from ppo_support import rundir
 
 # 3 cycles of 2 seeds.
@@ -164,10 +165,16 @@ def test_a_failed_point_is_frozen_the_others_go_on_and_a_resumed_sweep_is_bit_id
 
 
 def test_each_point_is_a_wandb_run_with_its_values_in_its_config_and_name(tmp_path):
+    """Also evaluates during training: each point's evaluation is its own."""
     run_dir = tmp_path / "run"
     result = run_script("ppo_mlp.py", *TINY["ppo_mlp.py"], "--sweep", "ent-coef=0,0.01", "clip-vloss=true,false", "--track",
-                        "--wandb-mode", "offline", "--run-dir", str(run_dir))
+                        "--wandb-mode", "offline", "--eval-every-cycles", "3", "--eval-episodes", "2", "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert all(point["final_eval_return"] is not None for point in summary["points"])
+    for index in range(4):
+        evaluated = [row["eval/episodic_return"] for row in rows(run_dir / f"point-{index}") if row["cycle"] == 3]
+        assert len(evaluated) == 2 and all(value is not None for value in evaluated)
     runs = [read_wandb_offline_run(next((run_dir / f"point-{index}").glob("wandb/offline-run-*"))) for index in range(4)]
     assert len({run["id"] for run in runs}) == 4 and {run["group"] for run in runs} == {"run"}
     for index, (run, (ent_coef, clip_vloss)) in enumerate(zip(runs, [(0, True), (0, False), (0.01, True), (0.01, False)])):
@@ -178,3 +185,19 @@ def test_each_point_is_a_wandb_run_with_its_values_in_its_config_and_name(tmp_pa
         point_rows = rows(run_dir / f"point-{index}")
         expected = [np.mean([row["losses/value_loss"] for row in point_rows if row["cycle"] == cycle]) for cycle in (1, 2, 3)]
         assert [row["losses/value_loss"] for row in run["history"]] == pytest.approx(expected, rel=1e-6)
+
+
+def test_a_point_of_a_sweep_on_two_devices_trains_as_its_flags_do_alone_on_two(tmp_path):
+    """--num-devices 2 splits every run's envs across the devices (each device drawing its own
+    random numbers, so not the 1-device run): a point trains as its flags do alone on 2 devices."""
+    two_devices = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2")}
+    flags = [*TINY["ppo_mlp.py"], "--num-devices", "2"]
+    sweep = run_script("ppo_mlp.py", *flags, "--sweep", "lr=1e-3,3e-3", "--run-dir", str(tmp_path / "sweep"), env=two_devices)
+    alone = run_script("ppo_mlp.py", *flags, "--lr", "3e-3", "--run-dir", str(tmp_path / "alone"), env=two_devices)
+    for result in (sweep, alone):
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert "on 2 devices" in result.stdout
+    assert_close_rows(rows(tmp_path / "sweep" / "point-1"), rows(tmp_path / "alone"))
+    for swept, alone in zip(params("ppo_mlp.py", tmp_path / "sweep" / "point-1"), params("ppo_mlp.py", tmp_path / "alone"),
+                            strict=True):
+        np.testing.assert_allclose(swept, alone, rtol=1e-5, atol=1e-6)
