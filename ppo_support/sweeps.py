@@ -38,7 +38,7 @@ POINT_DIR = "point-{index}"
 
 class Grid(NamedTuple):
     keys: tuple[str, ...]  # Args field names, in the order given
-    points: tuple[dict[str, Any], ...]  # {field: value} per point; the last key varies fastest
+    points: tuple[dict[str, Any], ...]  # {field: value} per point; the last axis varies fastest
 
 
 def sweep_flag(name: str) -> str:
@@ -46,35 +46,54 @@ def sweep_flag(name: str) -> str:
 
 
 def parse(args: Any) -> Grid | None:
-    """The grid of args.sweep (None without --sweep); a ConfigError names what is wrong."""
+    """The grid of args.sweep (None without --sweep): the cartesian product of its axes. An axis
+    is one key and its values (lr=1e-3,3e-4), or keys that change together, a point's values
+    joined by colons (lr,ent-coef=1e-3:0.01,3e-4:0), as scripts/ablate.py uses it. A ConfigError
+    names what is wrong."""
     if not args.sweep:
         return None
     fields = {field.name for field in dataclasses.fields(args)}
-    values: dict[str, list[Any]] = {}
+    axes: list[tuple[list[str], list[tuple[Any, ...]]]] = []
     for entry in args.sweep:
         key, equals, text = entry.partition("=")
-        name = key.strip().replace("-", "_")
-        if not equals or not name:
+        names = [part.strip().replace("-", "_") for part in key.split(",")]
+        if not equals or not all(names):
             raise ConfigError(f"--sweep takes KEY=V1,V2,..., got {entry!r}")
-        if name not in fields:
-            raise ConfigError(f"--sweep {key}: no such flag; sweepable: {', '.join(map(sweep_flag, SWEEPABLE))}")
-        if name not in SWEEPABLE:
-            raise ConfigError(
-                f"--sweep {key}: {flag(name)} changes array shapes or the program's structure, so it cannot be swept "
-                "inside one program; sweep it with scripts/sweep.py (one process per value)"
-            )
-        if name in values:
-            raise ConfigError(f"--sweep {key}: given twice")
+        for name in names:
+            check_key(name, key, fields, [name for axis_names, _ in axes for name in axis_names])
+        if len(set(names)) < len(names):
+            raise ConfigError(f"--sweep {key}: a key given twice")
         items = [item.strip() for item in text.split(",")]
         if not all(items):
             raise ConfigError(f"--sweep {key}: empty value in {text!r}; give V1,V2,...")
-        parsed = [parse_value(name, key, item) for item in items]
+        parsed = []
+        for item in items:
+            parts = item.split(":") if len(names) > 1 else [item]
+            if len(parts) != len(names):
+                raise ConfigError(f"--sweep {key}: {item!r} gives {len(parts)} values for {len(names)} keys; join a point's "
+                                  "values with colons")
+            parsed.append(tuple(parse_value(name, key, part.strip()) for name, part in zip(names, parts)))
         repeated = [item for item, value in zip(items, parsed) if parsed.count(value) > 1]
         if repeated:
             raise ConfigError(f"--sweep {key}: {' and '.join(repeated)} are the same value")
-        values[name] = parsed
-    keys = tuple(values)
-    return Grid(keys, tuple(dict(zip(keys, combination)) for combination in itertools.product(*values.values())))
+        axes.append((names, parsed))
+    keys = tuple(name for names, _ in axes for name in names)
+    points = tuple(
+        dict(zip(keys, itertools.chain.from_iterable(combination))) for combination in itertools.product(*(v for _, v in axes))
+    )
+    return Grid(keys, points)
+
+
+def check_key(name: str, key: str, fields: set[str], earlier: list[str]) -> None:
+    if name not in fields:
+        raise ConfigError(f"--sweep {key}: no such flag; sweepable: {', '.join(map(sweep_flag, SWEEPABLE))}")
+    if name not in SWEEPABLE:
+        raise ConfigError(
+            f"--sweep {key}: {flag(name)} changes array shapes or the program's structure, so it cannot be swept "
+            "inside one program; sweep it with scripts/sweep.py (one process per value)"
+        )
+    if name in earlier:
+        raise ConfigError(f"--sweep {key}: given twice")
 
 
 def parse_value(name: str, key: str, text: str) -> Any:

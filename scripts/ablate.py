@@ -3,10 +3,14 @@
     python scripts/ablate.py --script ppo_mlp.py --env-id CartPole-v1 --num-seeds 5 --out-dir ablations/cartpole
     python scripts/ablate.py --script ppo_mlp.py --out-dir DIR --details norm-adv clip-eps -- --num-total-env-steps 100000
 
-Seeds run vmapped inside each run (--num-seeds). Each run has its own subfolder of --out-dir
-(`baseline`, `norm-adv`, ...) and counts as finished once it holds summary.json; --resume skips
-finished runs. Details whose flag the script lacks are skipped with a note. Writes
-DIR/ablation.md, DIR/ablation.csv, DIR/ablation.png (bars) and DIR/learning_curves.png.
+Seeds run vmapped inside each run (--num-seeds). The baseline and every detail that is one value
+the script's --sweep takes (norm-adv, clip-eps, ent-coef, ...) train together in one process, one
+--sweep whose points are the baseline and each detail flipped alone (subfolder `sweep`, its
+point-<i> the i-th of them); every other detail is a process of its own (subfolder `norm-obs`,
+...), and so is everything when the script has no --sweep or refuses it. A run counts as finished
+once it holds summary.json; --resume skips finished runs. Details whose flag the script lacks are
+skipped with a note. Writes DIR/ablation.md, DIR/ablation.csv (with each row's run dir),
+DIR/ablation.png (bars) and DIR/learning_curves.png.
 
 Final return: per seed, the mean episodic return over the last 10% of cycles (the script's
 summary.json); AUC: per seed, the mean episodic return over all cycles. Both as mean ± sample
@@ -48,6 +52,7 @@ from runs import (  # noqa: E402
     script_defaults,
     split_passthrough,
 )
+from ppo_support import sweeps  # noqa: E402  (runs put the repository on the path)
 
 HUGE_GRAD_NORM = 1e9  # global-norm clipping never triggers
 
@@ -91,6 +96,34 @@ DETAILS = (
            "Nature CNN vs IMPALA CNN torso (37 details: 21)"),  # --torso auto is impala on images
 )
 DETAIL_NAMES = [detail.name for detail in DETAILS]
+
+
+SWEEP_RUN = "sweep"  # the subfolder of the --sweep that trains the baseline and the sweepable details
+
+
+def swept_details(planned: list[tuple[str, list[str], str]], defaults: dict[str, Any]) -> list[tuple[str, str, Any]]:
+    """(name, field, flipped value) of each planned detail that one --sweep can train beside the
+    baseline: one field the sweep takes, with a value other than the default (not None)."""
+    if "sweep" not in defaults:
+        return []
+    details = {detail.name: detail for detail in DETAILS}
+    swept = []
+    for name, _, _ in planned[1:]:
+        field = next(field for field in details[name].fields if field in defaults)
+        value = details[name].flipped(defaults[field])
+        if field in sweeps.SWEEPABLE and None not in (value, defaults[field]) and value != defaults[field]:
+            swept.append((name, field, value))
+    return swept
+
+
+def sweep_flags(swept: list[tuple[str, str, Any]], defaults: dict[str, Any]) -> list[str]:
+    """--sweep with one axis of all the swept fields together (values joined by colons): the
+    baseline's point, then one point per detail with only its field flipped."""
+    fields = [field for _, field, _ in swept]
+    points = [[defaults[field] for field in fields]]
+    points += [[value if other == field else defaults[other] for other in fields] for _, field, value in swept]
+    text = lambda value: str(value).lower() if isinstance(value, bool) else repr(float(value))  # noqa: E731
+    return ["--sweep", ",".join(fields) + "=" + ",".join(":".join(text(value) for value in point) for point in points)]
 
 
 def detail_flags(detail: Detail, defaults: dict[str, Any]) -> tuple[list[str], str] | tuple[None, str]:
@@ -178,7 +211,7 @@ def write_outputs(out_dir: Path, rows: list[dict[str, Any]], header: str) -> Non
                                    for key in METRICS}
                    for row in rows if "final" in row}
     stat_columns = [f"{key}_{name}" for key in METRICS for name in STAT_CSV_COLUMNS]
-    csv_columns = ["detail", "change", "status", "final_mean", "final_std", "final_rel_pct", "auc_mean", "auc_std", "auc_rel_pct",
+    csv_columns = ["detail", "change", "status", "run_dir", "final_mean", "final_std", "final_rel_pct", "auc_mean", "auc_std", "auc_rel_pct",
                    "num_seeds", *stat_columns, "finding"]
     with open(out_dir / "ablation.csv", "w", newline="") as file:
         writer = csv.DictWriter(file, fieldnames=csv_columns)
@@ -187,6 +220,7 @@ def write_outputs(out_dir: Path, rows: list[dict[str, Any]], header: str) -> Non
             record = {"detail": row["detail"], "change": row["change"], "status": row["status"]}
             if "final" in row:
                 record.update(
+                    run_dir=row["run"].path.relative_to(out_dir).as_posix(),
                     final_mean=f"{row['final'][0]:.2f}", final_std=f"{row['final'][1]:.2f}",
                     final_rel_pct=f"{relative(row['final'][0], baseline['final'][0]):.1f}",
                     auc_mean=f"{row['auc'][0]:.2f}", auc_std=f"{row['auc'][1]:.2f}",
@@ -301,6 +335,24 @@ def main(argv: list[str] | None = None) -> int:
             planned.append((detail.name, flags, change))
 
     rows = []
+    swept = swept_details(planned, defaults)
+    if swept:  # the baseline and these details in one process
+        result = run_once(options.script, common + sweep_flags(swept, defaults), options.out_dir / SWEEP_RUN, extra)
+        if result.status == "rejected":
+            print(f"one --sweep for {', '.join(name for name, _, _ in swept)} rejected by {options.script} "
+                  f"({result.message}): one process per detail", flush=True)
+        else:
+            names = ["baseline", *[name for name, _, _ in swept]]
+            changes = {name: change for name, _, change in planned}
+            for index, name in enumerate(names):
+                run_dir = options.out_dir / SWEEP_RUN / sweeps.POINT_DIR.format(index=index)
+                row = {"detail": name, "change": changes[name], "status": f"{result.status} (in one --sweep)",
+                       **summarize(run_dir)}
+                rows.append(row)
+                print(f"{name} ({row['status']}): final {fmt(row['final'][0])} ± {fmt(row['final'][1])}, "
+                      f"AUC {fmt(row['auc'][0])} ± {fmt(row['auc'][1])}", flush=True)
+            done = set(names)
+            planned = [plan for plan in planned if plan[0] not in done]
     for name, flags, change in planned:
         result = run_once(options.script, common + flags, options.out_dir / name, extra)
         if result.status == "rejected":

@@ -143,19 +143,27 @@ def test_ablate_flips_normalisation_sticky_actions_and_the_torso_where_the_scrip
 def test_ablate_table_has_the_baseline_and_the_flipped_details(tmp_path):
     out_dir = tmp_path / "ablation"
     result = run_script("scripts/ablate.py", "--script", "ppo_mlp.py", "--env-id", "CartPole-v1", "--num-seeds", "2",
-                        "--out-dir", str(out_dir), "--details", "norm-adv", "clip-eps", "frame-stack",
+                        "--out-dir", str(out_dir), "--details", "norm-adv", "clip-eps", "frame-stack", "norm-obs",
                         "--", "--num-total-env-steps", "256", "--num-env-steps-per-cycle", "32")
     assert result.returncode == 0, result.stderr
     table = (out_dir / "ablation.md").read_text()
-    for row_start in ["| baseline | `(defaults)` |", "| clip-eps | `clip_eps=0.1` |", "| norm-adv | `norm_adv=False` |"]:
+    for row_start in ["| baseline | `(defaults)` |", "| clip-eps | `clip_eps=0.1` |", "| norm-adv | `norm_adv=False` |",
+                      "| norm-obs | `norm_obs=True` |"]:
         assert row_start in table
     assert "`frame-stack`: skipped: the script has no --frame-stack" in table
-    assert json.loads((out_dir / "norm-adv" / "args.json").read_text())["norm_adv"] is False
-    assert json.loads((out_dir / "clip-eps" / "args.json").read_text())["clip_eps"] == 0.1
+    # the baseline and the details --sweep can express in one process, its points in DETAILS order; norm-obs alone
+    sweep_dir = out_dir / "sweep"
+    assert json.loads((sweep_dir / "args.json").read_text())["sweep"] == ["clip_eps,norm_adv=0.2:true,0.1:true,0.2:false"]
+    point_args = [json.loads((sweep_dir / f"point-{index}" / "args.json").read_text()) for index in range(3)]
+    assert [(args["clip_eps"], args["norm_adv"]) for args in point_args] == [(0.2, True), (0.1, True), (0.2, False)]
+    assert json.loads((out_dir / "norm-obs" / "args.json").read_text())["norm_obs"] is True
+    assert sorted(path.name for path in out_dir.iterdir() if path.is_dir()) == ["norm-obs", "sweep"]
     assert "| final IQM [95% CI] | P(final > baseline) |" in table and table.splitlines()[2].endswith("| finding |")
     rows = {row["detail"]: row for row in csv.DictReader(open(out_dir / "ablation.csv"))}
     assert rows["baseline"]["final_rel_pct"] == "0.0" and rows["norm-adv"]["final_mean"]
     assert rows["frame-stack"]["status"].startswith("skipped")
+    assert [rows[name]["run_dir"] for name in ["baseline", "clip-eps", "norm-adv", "norm-obs"]] == [
+        "sweep/point-0", "sweep/point-1", "sweep/point-2", "norm-obs"]
     # IQM and its CI for every run; P(improvement) against the baseline for the details only.
     for metric in ["final", "auc"]:
         for detail in ["baseline", "norm-adv", "clip-eps"]:

@@ -114,12 +114,28 @@ def call_main(script: str, argv: list[str]) -> int:
     ("ppo_mlp.py", ["--sweep", "norm-adv=true,maybe"], "--sweep norm-adv: 'maybe' is not true or false"),
     ("ppo_mlp.py", ["--sweep", "target-kl=none,0.01"], "--sweep target-kl: none (off) cannot be swept with numbers"),
     ("ppo_mlp.py", ["--sweep", "lr"], "--sweep takes KEY=V1,V2,..., got 'lr'"),
+    ("ppo_mlp.py", ["--sweep", "lr,ent-coef=1e-3:0.01,3e-3"], "--sweep lr,ent-coef: '3e-3' gives 1 values for 2 keys"),
+    ("ppo_mlp.py", ["--sweep", "lr=1e-3,3e-3", "ent-coef,lr=0:1e-3"], "--sweep ent-coef,lr: given twice"),
+    ("ppo_mlp.py", ["--sweep", "lr,num-seeds=1e-3:1"], "--num-seeds changes array shapes"),
 ])
 def test_bad_sweeps_are_refused_with_one_line_and_nothing_written(tmp_path, capsys, script, argv, message):
     assert call_main(script, [*argv, "--run-dir", str(tmp_path / "never")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and len(err.strip().splitlines()) == 1 and message in err, err
     assert not (tmp_path / "never").exists()
+
+
+def test_the_grid_is_the_product_of_its_axes_and_an_axis_may_set_several_keys_together():
+    import ppo_mlp
+    from ppo_support import sweeps
+
+    grid = sweeps.parse(ppo_mlp.Args(sweep=("lr,ent-coef=1e-3:0.01,3e-4:0", "norm-adv=true,false")))
+    assert grid.keys == ("lr", "ent_coef", "norm_adv")
+    assert grid.points == (
+        {"lr": 1e-3, "ent_coef": 0.01, "norm_adv": True}, {"lr": 1e-3, "ent_coef": 0.01, "norm_adv": False},
+        {"lr": 3e-4, "ent_coef": 0.0, "norm_adv": True}, {"lr": 3e-4, "ent_coef": 0.0, "norm_adv": False},
+    )
+    assert sweeps.parse(ppo_mlp.Args()) is None
 
 
 NAN_SWEEP = [*TINY["ppo_mlp.py"][:4], "--num-total-env-steps", str(128 * 8), "--checkpoint-every-cycles", "2",
