@@ -1,8 +1,9 @@
 """--sweep KEY=V1,V2,... : a grid of hyper-parameters trained in one compiled program.
 
-The grid is the cartesian product of the values, and every point trains --num-seeds seeds. The
-points' seeds are stacked on the seed axis that the scripts already vmap (runs: point-major,
-run = point * num_seeds + seed index). Each run carries its point's values in its state, one
+The grid is the cartesian product of its axes (an axis: one key and its values, or keys that
+change together, lr,ent-coef=1e-3:0.01,...), and every point trains --num-seeds seeds. The points'
+seeds are stacked on the scripts' seed axis, vmapped (or in turn: cpu.seeds_in_turn_on_cpu), as
+runs point-major: run = point * num_seeds + seed index. Each run carries its point's values in its state, one
 small dict (the state's `sweep` field, None without --sweep); the script's train_cycle swaps
 them into its Args (point_args), so the algorithm reads `args.lr` as always, a traced scalar
 here. Only what changes no array shape and no program structure can be swept (SWEEPABLE).
