@@ -55,22 +55,21 @@ def vmap_over_seeds(fn_of_one_seed: Callable) -> Callable:
     """fn of every seed: vmapped over the leading axis of its arguments and results (the seeds;
     with --sweep, every point's seeds). One seed runs unvmapped: vmap over a size-1 axis turns
     every matmul into a batched one, which XLA:CPU runs slower."""
-
-    def every_seed(*trees: Any) -> Any:
-        if jax.tree.leaves(trees)[0].shape[0] > 1:
-            return jax.vmap(fn_of_one_seed)(*trees)
-        return jax.tree.map(lambda x: x[None], fn_of_one_seed(*jax.tree.map(lambda x: x[0], trees)))
-
-    return every_seed
+    return over_seeds(fn_of_one_seed, jax.vmap(fn_of_one_seed))
 
 
 def map_over_seeds(fn_of_one_seed: Callable) -> Callable:
     """fn of every seed as vmap_over_seeds gives it, but one seed after another (jax.lax.map):
     each seed runs the unbatched program."""
+    return over_seeds(fn_of_one_seed, lambda *trees: jax.lax.map(lambda one_seed: fn_of_one_seed(*one_seed), trees))
+
+
+def over_seeds(fn_of_one_seed: Callable, fn_of_several: Callable) -> Callable:
+    """fn_of_several for a leading axis of two seeds or more; fn_of_one_seed, unbatched, for one."""
 
     def every_seed(*trees: Any) -> Any:
         if jax.tree.leaves(trees)[0].shape[0] > 1:
-            return jax.lax.map(lambda one_seed: fn_of_one_seed(*one_seed), trees)
+            return fn_of_several(*trees)
         return jax.tree.map(lambda x: x[None], fn_of_one_seed(*jax.tree.map(lambda x: x[0], trees)))
 
     return every_seed

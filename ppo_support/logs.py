@@ -316,8 +316,10 @@ def start_wandb_runs(args: Any, run_dir: Path, name: str | None = None, more_con
     for seed in seeds:
         id_file = run_dir / ("wandb_id.txt" if seed is None else f"wandb_id_seed_{seed}.txt")
         resumed_id = id_file.read_text().strip() if id_file.exists() else None
-        run_name = name or run_dir.name
-        run_name = run_name if seed is None else f"{rundir.run_name(args, seed)}{'' if name is None else '__' + name}"
+        if seed is None:
+            run_name = name or run_dir.name
+        else:
+            run_name = rundir.run_name(args, seed) + ("" if name is None else f"__{name}")
         wandb_run = wandb.init(
             project=args.wandb_project,
             entity=args.wandb_entity,
