@@ -3,7 +3,7 @@
     python ppo_mlp.py --env-id CartPole-v1 --num-seeds 5
 
 The whole algorithm is in this file: copy it and own it. Read top to bottom: Args, containers,
-network, then PPO in run order, all in one `jax.jit` over `jax.lax.scan`, then a short `run`.
+network, then PPO in run order up to one compiled train program, then a short `run`.
 What PPO does not need (env suites, devices, logging, checkpoints, the NaN guard) is imported
 from the ppo_support package beside this file, by namespace: `envs.make_env`, `rundir.Checkpointer`.
 "37 details" numbers: https://iclr-blog-track.github.io/2022/03/25/ppo-implementation-details/
@@ -105,6 +105,7 @@ class Args:
     checkpoint_every_cycles: int | None = None  # save the full training state; default: every 10% of the run
     keep_checkpoints: int = 2  # keep the newest N checkpoints; --resume falls back past a damaged one
     resume: str | None = None  # continue this run dir from its last checkpoint; only logging flags may change
+    compilation_cache_dir: str | None = None  # compiled programs kept for the next run; default ~/.cache/ppo-jax/xla; "off"
 
     # --- derived ----------------------------------------------------------------------
     @property
@@ -662,10 +663,9 @@ def make_evaluation(network: ActorCritic, env: Any, env_params: Any, args: Args)
     )
 
 
-def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | None = None, video_fn: Callable | None = None):
-    """Returns init(seed) -> TrainState of one seed, and train(states, log_fn, checkpoint_fn,
-    start_cycle) -> (states, metrics (cycles, seeds)): the remaining cycles of a stack of seeds in
-    one `lax.scan`, meant to be jitted. log_fn, checkpoint_fn and video_fn are host callbacks."""
+def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | None = None):
+    """Returns init(seed) -> TrainState of one seed, and train(states, num_cycles, max_cycles) ->
+    (states, metrics): the next num_cycles cycles of a stack of seeds, meant to be jitted."""
     network = make_network(args, env.action_space(env_params).n)
     optimizer = make_optimizer(args)
     info_names = envs.env_info_names(env, env_params)  # the env's own episode metrics, logged as env/<name>
@@ -687,18 +687,22 @@ def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | 
     every_seed = nan_guard.skip_when_every_seed_failed(devices.vmap_over_seeds(one_seed), metric_names)
     one_cycle = every_seed if mesh is None else devices.shard_over_devices(every_seed, mesh, TrainState)
     policy = make_evaluation(network, env, env_params, args)
-    one_cycle, metric_names = evaluation.with_evaluation(one_cycle, metric_names, policy, args, env_params, video_fn)  # eval/*
+    one_cycle, metric_names = evaluation.with_evaluation(one_cycle, metric_names, policy, args, env_params)  # eval/*
 
-    def train(states: TrainState, log_fn: Callable | None = None, checkpoint_fn: Callable | None = None, start_cycle: int = 0):
-        def cycle_body(carry, _):
-            states, outbox = carry
-            states, metrics = one_cycle(states)
-            outbox = logs.send_to_host(outbox, states, metrics, metric_names, args, log_fn, checkpoint_fn, ordered=mesh is None)
-            return (states, outbox), metrics
+    def train(states: TrainState, num_cycles: int | jax.Array = args.num_cycles, max_cycles: int | None = None):
+        """num_cycles more cycles, by default the whole run. A run's host calls one compiled
+        program of it with a runtime num_cycles again and again (segments: ppo_support/segments.py).
+        Returns the states and every cycle's metrics, (max_cycles, seeds) per name (max_cycles:
+        num_cycles by default), NaN after the last cycle run."""
 
-        outbox = logs.empty_outbox(args, num_seeds=states.cycle.shape[0], num_metrics=len(metric_names))
-        (states, _), metrics = jax.lax.scan(cycle_body, (states, outbox), None, length=args.num_cycles - start_cycle)
-        return states, metrics
+        def cycle_body(index, carry):
+            states, metrics = carry
+            states, cycle_metrics = one_cycle(states)
+            return states, {name: metrics[name].at[index].set(cycle_metrics[name]) for name in metric_names}
+
+        max_cycles = num_cycles if max_cycles is None else max_cycles
+        metrics = {name: jnp.full((max_cycles, states.cycle.shape[0]), jnp.nan) for name in metric_names}
+        return jax.lax.fori_loop(0, num_cycles, cycle_body, (states, metrics))
 
     return init, train
 
@@ -736,11 +740,12 @@ def run(args: Args) -> dict[str, Any]:
     env, env_params = envs.make_env(args.env_id, args.sticky_action_prob, args.optimistic_reset_ratio, args.env_params)
     mesh = devices.make_mesh(args)
     session = sessions.Session(args, run_metric_names(env, env_params))  # checks --run-dir or --resume
-    init, train = make_train(args, env, env_params, mesh, session.video_recorder(env_params))
-    states = session.restore(devices.stack_seeds([init(args.seed + i) for i in range(args.num_seeds)]))
+    init, train = make_train(args, env, env_params, mesh)
+    states = session.restore(devices.on_host_cpu(lambda: devices.stack_seeds([init(args.seed + i) for i in range(args.num_seeds)])))
     cpu.use_unrolled_threefry_on_cpu()  # for the train loop only: init compiles faster without it
-    states, metrics = session.train(train, devices.place_on_mesh(states, mesh), mesh)
-    return session.finish(states, metrics, {OBS_STATS_FILE: states.obs_stats})  # and params.msgpack, summary.json
+    policy = make_evaluation(make_network(args, env.action_space(env_params).n), env, env_params, args)  # --capture-video's
+    states = session.train(train, devices.place_on_mesh(states, mesh), mesh, policy, env_params)
+    return session.finish(states, {OBS_STATS_FILE: states.obs_stats})  # and params.msgpack, summary.json
 
 
 def load_params(run_dir: str | Path) -> tuple[Args, Any]:

@@ -18,7 +18,7 @@ import jax
 import tyro
 
 from . import devices, rundir, sweeps
-from .errors import ConfigError, WriteError, flag
+from .errors import ConfigError, Interrupted, WriteError, flag
 
 # Flags of both scripts that must be positive integers.
 POSITIVE_INTS = (
@@ -165,13 +165,19 @@ def parse_args(args_class: type, argv: list[str] | None = None) -> Any:
 def main(parse_and_run: Callable[[], dict[str, Any]]) -> int:
     """The exit code of `parse_and_run()`, which returns the run's summary: 2 for bad input, 1
     when the run dir could not be written, a seed failed (summary["failures"]) or, with
-    --distributed, another process was lost; else 0."""
+    --distributed, another process was lost; 130 (SIGINT) or 143 (SIGTERM) when a signal stopped
+    training (the run saved for --resume) or came before it (nothing written); else 0."""
     try:
         summary = parse_and_run()
     except ConfigError as error:  # bad input: nothing was written
         return leave(2, error)
     except (WriteError, OSError, devices.ProcessLost) as error:  # an unwritable run dir (disk full, ...), a lost process
         return leave(1, error)
+    except Interrupted as stopped:  # Ctrl-C or SIGTERM while training: saved for --resume, in every process
+        print(stopped, file=sys.stderr, flush=True)
+        return leave(stopped.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C before training started (a compile ends before Python sees it)
+        return leave(130, KeyboardInterrupt("interrupted (SIGINT) before training started; nothing was written"))
     failed = summary["every_point_failed"] if "every_point_failed" in summary else bool(summary["failures"])  # --sweep
     return leave(1 if failed else 0)
 

@@ -75,6 +75,22 @@ def over_seeds(fn_of_one_seed: Callable, fn_of_several: Callable) -> Callable:
     return every_seed
 
 
+def on_host_cpu(make: Callable[[], Any]) -> Any:
+    """make() computed on the host's CPU when JAX's default backend is an accelerator, its result
+    then put on the default device; elsewhere make() itself. For the seeds' init: XLA compiles
+    the orthogonal initializers' QR factorizations in seconds for a CPU, in tens of seconds for a
+    TPU (docs/performance.md)."""
+    if jax.default_backend() == "cpu":
+        return make()
+    try:
+        host = jax.devices("cpu")[0]
+    except RuntimeError:  # JAX_PLATFORMS leaves the CPU out
+        return make()
+    with jax.default_device(host):
+        result = make()
+    return jax.device_put(result, jax.local_devices()[0])
+
+
 def stack_seeds(trees: list[Any]) -> Any:
     return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
 

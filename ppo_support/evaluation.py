@@ -3,7 +3,8 @@ each seed plays --eval-episodes episodes with its current policy, on fresh envs 
 with keys folded from its state's key (never split from it), so training runs bit for bit as
 without evaluation. --capture-video: at those cycles (only the last one without
 --eval-every-cycles) the episode of seed 0's first eval env is played once more, recorded step by
-step, and sent to a host callback (videos.VideoRecorder).
+step (record_video, a program of its own that the host runs between segments), and drawn by
+videos.VideoRecorder.
 
 The policy is the script's: its eval_step, its env resets and the frame a video shows of an
 observation, handed over as a Policy (the script's make_evaluation). This module only plays
@@ -102,28 +103,32 @@ def record_video_episode(policy: Policy, state: Any, carry: EvalCarry):
     return jax.lax.while_loop(running, step, (carry, buffers))[1]
 
 
+def record_video(policy: Policy, states: Any, args: Any):
+    """What a video (--capture-video) shows of the states' cycle: record_video_episode of seed 0's
+    first eval env, started as with_evaluation starts its evaluation, with the cycle: (cycle, env
+    states, frames, done), for videos.VideoRecorder. A program of its own, which the host runs on
+    the states of the cycles that are evaluation_due."""
+    first = jax.tree.map(lambda x: x[0], states)
+    key = jax.random.fold_in(first.key, EVAL_KEY_TAG)  # as evaluate() below: the video plays seed 0's first eval env
+    return (first.cycle, *record_video_episode(policy, first, start_evaluation(key, policy, args.eval_episodes)))
+
+
 def with_evaluation(
     cycle_of_every_seed: Callable, metric_names: tuple[str, ...], policy: Policy, args: Any, env_params: Any,
-    video_fn: Callable | None,
 ) -> tuple[Callable, tuple[str, ...]]:
     """The cycle, then on the cycles that are evaluation_due: evaluate_policy for every seed
-    (eval/* metrics, NaN on the other cycles), and record_video_episode of seed 0, sent to
-    video_fn(cycle, env states, frames, done). Also returns the metric names with eval/* appended.
+    (eval/* metrics, NaN on the other cycles). Also returns the metric names with eval/* appended.
     Outside shard_map: with several devices the evaluation is one replicated computation, the
     same on each."""
     names = eval_metric_names(args)
-    if not names and video_fn is None:
+    if not names:
         return cycle_of_every_seed, metric_names
     evaluate_one_seed = lambda state, key: evaluate_policy(policy, state, key, args, env_params)  # noqa: E731
-    first = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
     evaluate_every_seed = devices.vmap_over_seeds(evaluate_one_seed)
 
     def evaluate(states: Any) -> dict[str, jax.Array]:
         keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(states.key, EVAL_KEY_TAG)  # the states' keys are not consumed
-        if video_fn is not None:
-            video = record_video_episode(policy, first(states), start_evaluation(keys[0], policy, args.eval_episodes))
-            jax.debug.callback(video_fn, states.cycle[0], *video)
-        return evaluate_every_seed(states, keys) if names else {}
+        return evaluate_every_seed(states, keys)
 
     def no_evaluation(states: Any) -> dict[str, jax.Array]:
         return {name: jnp.full(states.cycle.shape, jnp.nan) for name in names}

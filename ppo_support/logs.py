@@ -1,7 +1,7 @@
-"""Metrics and checkpoints leave the jit through host callbacks (send_to_host); on the host,
-HostQueue hands them to one thread of their own, where MetricsLogger writes metrics.jsonl, the
-console line and wandb, and rundir.Checkpointer the checkpoints. The metric names are the
-script's: its run_metric_names, passed in."""
+"""What the host writes of a run's metrics, on a thread of its own (HostQueue) while the device
+trains: MetricsLogger writes metrics.jsonl, the console line and wandb, from the rows each
+segment of the train program returns (segments.py); rundir.Checkpointer, on the same thread,
+writes the checkpoints. The metric names are the script's: its run_metric_names, passed in."""
 
 from __future__ import annotations
 
@@ -12,134 +12,52 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from . import envs, evaluation, rundir
 from .errors import WriteError
 
-LOG_ROWS_ENV_STEPS = 8192  # metrics rows leave the jit together, once per this many env steps
-
-
-class Outbox(NamedTuple):
-    """Metrics rows waiting inside the jit for the next host callback (one callback costs more
-    than a small cycle on CPU)."""
-
-    rows: jax.Array  # (rows_per_callback, metrics (the run's metric names), seeds)
-    row_cycles: jax.Array  # (rows_per_callback,) int
-    num_rows: jax.Array  # rows filled
-
-
-def empty_outbox(args: Any, num_seeds: int, num_metrics: int) -> Outbox:
-    rows_per_callback = max(1, LOG_ROWS_ENV_STEPS // args.batch_size)
-    return Outbox(
-        rows=jnp.zeros((rows_per_callback, num_metrics, num_seeds), jnp.float32),
-        row_cycles=jnp.zeros(rows_per_callback, jnp.int32),
-        num_rows=jnp.int32(0),
-    )
-
-
-def send_to_host(
-    outbox: Outbox,
-    states: Any,
-    metrics: dict[str, jax.Array],
-    metric_names: tuple[str, ...],
-    args: Any,
-    log_fn: Callable | None,
-    checkpoint_fn: Callable | None,
-    ordered: bool,
-) -> Outbox:
-    """After each cycle: buffers its metrics row (every --log-every-cycles, every evaluation and
-    the last cycle), sends the buffered rows to log_fn(cycles, num_rows, rows) when the buffer is
-    full and at the end, and every checkpoint interval, in one callback, first the rows and then
-    the states to checkpoint_fn(cycle, states), unless a seed has failed (the last good checkpoint
-    stays on disk; a --sweep goes on checkpointing its other points). One callback, so that a
-    checkpoint never reaches the host before the rows up to it: JAX orders callbacks on one device
-    only (`ordered`). On several, each row and checkpoint carries its cycle number, and the
-    checkpointer never goes back in time."""
-    cycle = states.cycle[0]
-    should_save = jnp.bool_(False)
-    if checkpoint_fn is not None:
-        should_save = cycle % checkpoint_interval(args) == 0
-        if getattr(states, "sweep", None) is None:  # a --sweep checkpoints on: its failed runs stay frozen
-            should_save = should_save & ~jnp.any(states.non_finite > 0)
-    sent = outbox
-    if log_fn is not None:
-        last = cycle == args.num_cycles
-        should_log = (cycle % args.log_every_cycles == 0) | evaluation.evaluation_due(cycle, args)  # the last cycle is due
-        values = jnp.stack([metrics[name] for name in metric_names])  # (metrics, seeds)
-        sent = Outbox(
-            rows=jnp.where(should_log, outbox.rows.at[outbox.num_rows].set(values), outbox.rows),
-            row_cycles=jnp.where(should_log, outbox.row_cycles.at[outbox.num_rows].set(cycle), outbox.row_cycles),
-            num_rows=outbox.num_rows + should_log,
-        )
-        flush = (sent.num_rows > 0) & ((sent.num_rows == sent.rows.shape[0]) | last | should_save)
-        jax.lax.cond(
-            flush & ~should_save,
-            lambda: jax.debug.callback(log_fn, sent.row_cycles, sent.num_rows, sent.rows, ordered=ordered),
-            lambda: None,
-        )
-        outbox = sent._replace(num_rows=jnp.where(flush, 0, sent.num_rows))
-    if checkpoint_fn is not None:
-        host_states = jax.tree.map(rundir.key_data_or_array, states)  # callbacks take no PRNG keys
-
-        def rows_then_checkpoint(row_cycles, num_rows, rows, cycle, host_states):
-            if log_fn is not None:
-                log_fn(row_cycles, num_rows, rows)
-            checkpoint_fn(cycle, host_states)
-
-        jax.lax.cond(
-            should_save,
-            lambda: jax.debug.callback(rows_then_checkpoint, sent.row_cycles, sent.num_rows, sent.rows, cycle, host_states,
-                                       ordered=ordered),
-            lambda: None,
-        )
-    return outbox
-
-
 class HostQueue:
-    """Runs the host side of the train loop's callbacks (the metrics logger, the checkpointer, the
-    video recorder) on one thread of its own, in the order the callbacks came. A callback only queues its arrays and
-    returns: reading them inside the callback can deadlock several devices. (On 2 simulated CPU
-    devices, np.asarray on a callback's checkpoint arrays waited for as long as the callback held
-    its device, while the other device waited for it in an all-reduce, until XLA aborted the
-    process; see docs/scaling.md.) The first error stops the queue: the next callback raises it,
-    which stops the compiled run, and so does `wait`."""
+    """Runs the host's writes (the metrics logger, the checkpointer, the video recorder) on one
+    thread of its own, in the order they were submitted, while the main thread keeps the device
+    busy. The first error stops the queue: raise_error and wait raise it, which stops the run."""
 
     def __init__(self):
         self.jobs: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         threading.Thread(target=self.work, daemon=True).start()
 
-    def wrap(self, host_fn: Callable, timed: bool = False) -> Callable:
-        """The callback to pass into the jit. timed: host_fn also gets the time of the call, last."""
-
-        def queued(*arrays: Any) -> None:
-            if self.error is not None:
-                raise self.error
-            self.jobs.put((host_fn, (*arrays, time.perf_counter()) if timed else arrays))
-
-        return queued
+    def submit(self, host_fn: Callable, *arrays: Any) -> None:
+        """host_fn(*arrays) on the thread, with every JAX array in `arrays` as a NumPy array."""
+        self.jobs.put((host_fn, arrays))
 
     def work(self) -> None:
         while True:
             host_fn, arrays = self.jobs.get()
             try:
                 if self.error is None:
-                    host_fn(*jax.tree.map(np.asarray, arrays))
-            except BaseException as error:  # kept for the next callback and for wait()
+                    host_fn(*jax.tree.map(lambda x: np.asarray(x) if isinstance(x, jax.Array) else x, arrays))
+            except BaseException as error:  # kept for raise_error() and wait()
                 self.error = error
             finally:
                 self.jobs.task_done()
 
-    def wait(self) -> None:
-        """Once the compiled run has returned: waits for every queued job; raises the first error."""
-        self.jobs.join()
+    def raise_error(self) -> None:
         if self.error is not None:
             raise self.error
+
+    def wait(self) -> None:
+        """Waits for every job submitted; raises the first error."""
+        self.jobs.join()
+        self.raise_error()
+
+
+def row_due(cycle: int, args: Any) -> bool:
+    """Whether metrics.jsonl gets a row of this cycle: every --log-every-cycles, every evaluation and the last."""
+    return cycle % args.log_every_cycles == 0 or bool(evaluation.evaluation_due(cycle, args))
 
 
 def checkpoint_interval(args: Any) -> int:
@@ -147,8 +65,8 @@ def checkpoint_interval(args: Any) -> int:
 
 
 class MetricsLogger:
-    """Host side of the metrics callback: metrics.jsonl, a console line and wandb. A failed write
-    (disk full, no permission) raises a WriteError, which stops the run."""
+    """The metrics rows of a run: metrics.jsonl, a console line and wandb. A failed write (disk
+    full, no permission) raises a WriteError, which stops the run."""
 
     def __init__(self, args: Any, run_dir: Path, metric_names: tuple[str, ...], tags: dict[str, Any] | None = None,
                  console: bool = True):
@@ -174,20 +92,17 @@ class MetricsLogger:
         self.start_time = self.last_time = time.perf_counter()
         self.start_cycle = self.last_cycle = self.last_wandb_cycle = cycle
 
-    def __call__(self, cycles: Any, num_rows: Any, values: Any, now: float | None = None) -> None:
-        """The first num_rows of cycles (rows,) and values (rows, len(metric_names), num_seeds),
-        sent at time `now` (time.perf_counter(); by default, this call's)."""
+    def __call__(self, cycles: list[int], values: Any, now: float | None = None) -> None:
+        """The rows of `cycles`, values (rows, len(metric_names), num_seeds), computed by time `now`
+        (time.perf_counter(); by default, this call's)."""
         if jax.process_index() != 0:  # multi-host: one writer
             return
         now = time.perf_counter() if now is None else float(now)
-        cycles = [int(cycle) for cycle in np.asarray(cycles)[: int(num_rows)]]
-        if not cycles:  # a checkpoint with no rows waiting
-            return
         sps = (cycles[-1] - self.last_cycle) * self.args.batch_size * self.args.num_seeds / max(now - self.last_time, 1e-9)
         self.last_time, self.last_cycle = now, cycles[-1]
-        # Plain Python floats, NaN -> None: this runs while the device waits, so it avoids
-        # per-value NumPy calls (docs/performance.md).
-        rows = np.asarray(values, dtype=np.float64)[: len(cycles)].transpose(0, 2, 1).tolist()  # (rows, seeds, metrics)
+        # Plain Python floats, NaN -> None: per-value NumPy calls would cost more than the device's
+        # time for a small cycle (docs/performance.md).
+        rows = np.asarray(values, dtype=np.float64).transpose(0, 2, 1).tolist()  # (rows, seeds, metrics)
         self.write_rows(cycles, rows, sps)
         if self.wandb_runs:
             self.log_to_wandb(cycles, rows, sps)

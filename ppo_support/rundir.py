@@ -9,7 +9,6 @@ import dataclasses
 import datetime
 import hashlib
 import json
-import logging
 import math
 import os
 import re
@@ -32,6 +31,7 @@ RESUMABLE_FIELDS = (
     "log_every_cycles", "checkpoint_every_cycles", "keep_checkpoints", "resume", "exp_name",
     "eval_every_cycles", "eval_episodes", "eval_greedy", "capture_video",  # training is the same with or without them
     "distributed", "coordinator_address", "num_processes", "process_id",  # where it runs: the same devices, the same result
+    "compilation_cache_dir",  # where compiled programs are kept: the same programs
 )
 # What args.json holds beside the Args (script_info).
 RUN_INFO_KEYS = ("script", "script_path", "ppo_support_version", "ppo_support_commit")
@@ -133,14 +133,8 @@ def default_run_dir(args: Any) -> Path:
 
 
 def key_data_or_array(leaf: jax.Array) -> jax.Array:
-    """Host callbacks and checkpoints take no PRNG keys: their raw data instead."""
+    """Checkpoints take no PRNG keys: their raw data instead."""
     return jax.random.key_data(leaf) if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf
-
-
-def without_write_error_tracebacks(record: logging.LogRecord) -> bool:
-    """A logging filter for jax.debug.callback, which logs the traceback of whatever its callback
-    raises: a WriteError gets its one line from `cli.main` instead."""
-    return not (record.exc_info and isinstance(record.exc_info[1], WriteError))
 
 
 def checksum(arrays: dict[str, np.ndarray]) -> str:
@@ -178,7 +172,7 @@ def read_checkpoint(path: Path) -> dict[str, np.ndarray]:
 
 
 class Checkpointer:
-    """Host side of the checkpoint callback: the full training state of every seed (params,
+    """The checkpoints of a run, written on the host thread: the full training state of every seed (params,
     optimizer state, env states, RNG keys, counters) in RUN_DIR/checkpoint-<cycle>.npz, with its
     cycle and a checksum, for the newest `keep` checkpoints. Each write goes to a temporary file
     that is atomically renamed, so a kill mid-write keeps the previous ones; a failed write
@@ -196,7 +190,7 @@ class Checkpointer:
             return
         self.last_saved_cycle = int(cycle)
         arrays = {f"leaf_{index}": np.asarray(leaf) for index, leaf in enumerate(jax.tree.leaves(host_states))}
-        arrays["cycle"] = np.asarray(cycle)
+        arrays["cycle"] = np.asarray(cycle, np.int32)  # the state's own counter's type
         path = self.run_dir / f"checkpoint-{int(cycle)}.npz"
         temporary = path.with_suffix(".npz.tmp")
         try:
@@ -282,6 +276,7 @@ def prepare_resume(args: Any, metric_names: tuple[str, ...], folders: list[str] 
             )
     if (run_dir / "summary.json").exists():
         raise ConfigError(f"--resume {run_dir}: that run already finished")
+    # An interrupted run (INTERRUPTED_FILE) resumes like a killed one, from its newest checkpoint.
     for folder in folders:
         read_resumable_rows(run_dir / folder / "metrics.jsonl", metric_names)
     checkpointer = Checkpointer(run_dir, args.keep_checkpoints)
@@ -369,10 +364,24 @@ def final_returns(args: Any, episodic_return: np.ndarray) -> list[float | None]:
     return result
 
 
-def final_eval_returns(args: Any, metrics: dict[str, Any]) -> list[float | None]:
-    """Per seed: eval/episodic_return at the last cycle (always an evaluation); None per seed
-    without --eval-every-cycles or when no eval episode finished."""
-    if not args.eval_every_cycles:
+def final_eval_returns(args: Any, last_eval: np.ndarray | None) -> list[float | None]:
+    """Per seed: eval/episodic_return at the last cycle (always an evaluation), from last_eval
+    (seeds,); None per seed without --eval-every-cycles or when no eval episode finished."""
+    if not args.eval_every_cycles or last_eval is None:
         return [None] * args.num_seeds
-    last = np.asarray(metrics["eval/episodic_return"])[-1]  # (seeds,)
-    return [float(value) if np.isfinite(value) else None for value in last]
+    return [float(value) if np.isfinite(value) else None for value in np.asarray(last_eval)]
+
+
+# --- interrupted runs -------------------------------------------------------------------------
+
+INTERRUPTED_FILE = "interrupted.json"  # a run a signal stopped: unfinished, resumable; gone once resumed
+
+
+def mark_interrupted(run_dir: Path, cycle: int, signal_name: str, command: str) -> None:
+    """Records in the run dir that a signal stopped the run at `cycle`, and how to continue it.
+    Without summary.json the run is unfinished to --resume and to scripts/runs.py."""
+    (run_dir / INTERRUPTED_FILE).write_text(json.dumps({"cycle": cycle, "signal": signal_name, "resume": command}) + "\n")
+
+
+def clear_interrupted(run_dir: Path) -> None:
+    (run_dir / INTERRUPTED_FILE).unlink(missing_ok=True)

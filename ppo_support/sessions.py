@@ -1,12 +1,15 @@
-"""One training session of a script, around its compiled train loop: the run dir is opened (new,
-or resumed from its newest valid checkpoint), the program is compiled, then trained with its host
-callbacks (metrics.jsonl, the console, wandb, checkpoints, videos), and the results are written
-(params.msgpack, summary.json). Bad input and compile errors leave nothing written."""
+"""One training session of a script, around its compiled train program: the run dir is opened
+(new, or resumed from its newest valid checkpoint), the program is compiled (JAX's persistent
+compilation cache keeps it for the next run of the same configuration), then run in segments
+(segments.py) while a host thread writes what they return (metrics.jsonl, the console, wandb,
+checkpoints, videos), and the results are written (params.msgpack, summary.json). Ctrl-C or
+SIGTERM stops it at the end of a segment with a checkpoint, the metrics rows up to it and
+params.msgpack, for --resume. Bad input and compile errors leave nothing written."""
 
 from __future__ import annotations
 
 import json
-import logging
+import os
 import resource
 import sys
 import time
@@ -15,15 +18,15 @@ from typing import Any, Callable
 
 import flax.serialization
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from . import devices, evaluation, logs, nan_guard, rundir, sweeps, videos
-from .errors import ConfigError
-
+from . import devices, evaluation, logs, nan_guard, rundir, segments, sweeps, videos
+from .errors import ConfigError, Interrupted
 
 class Session:
     """Created before anything is compiled: checks --run-dir or --resume (and reads the checkpoint
-    to resume), and makes the metrics logger; nothing is written yet."""
+    to resume), turns on the compilation cache and makes the metrics logger; nothing is written yet."""
 
     def __init__(self, args: Any, metric_names: tuple[str, ...]):
         self.args = args
@@ -39,26 +42,28 @@ class Session:
             if any((self.path / folder / "metrics.jsonl").exists() for folder in folders):
                 raise ConfigError(f"--run-dir {self.path} already holds a run; choose another folder, or --resume it")
             self.checkpointer = rundir.Checkpointer(self.path, args.keep_checkpoints)
+        use_compilation_cache(args.compilation_cache_dir)
         # Each run of metrics.jsonl and summary.json, as (its args, its folder): the run, or each point of a sweep.
         self.points = [(args, self.path)] if self.grid is None else [
             (sweeps.host_point_args(args, self.grid, index, self.path), sweeps.point_dir(self.path, index))
             for index in range(len(self.grid.points))
         ]
-        names = metric_names + evaluation.eval_metric_names(args)
+        self.metric_names = metric_names + evaluation.eval_metric_names(args)  # the train program's, in its rows' order
         if self.grid is None:
-            self.logger = logs.MetricsLogger(args, self.path, names)
+            self.logger = logs.MetricsLogger(args, self.path, self.metric_names)
         else:
-            self.logger = sweeps.PointLoggers(args, self.grid, self.path, names)
-        self.host = logs.HostQueue()  # the loop's callbacks only queue their arrays; its thread runs them, in order
+            self.logger = sweeps.PointLoggers(args, self.grid, self.path, self.metric_names)
+        self.host = logs.HostQueue()  # a thread of its own writes what the segments return, in order
+        self.stop_requests = segments.StopRequests()
         self.start_cycle = 0
         self.kept_rows: list[list[dict[str, Any]]] = [[] for _ in self.points]  # a resumed run's rows up to its checkpoint
         self.wandb_runs: list[list[Any]] = [[] for _ in self.points]
+        self.episodic_returns = np.empty((0, 0))  # (cycles, runs): charts/episodic_return of every cycle, for the summary
+        self.final_eval_returns: np.ndarray | None = None  # (runs,): eval/episodic_return at the last cycle
+        self.video: Callable | None = None  # --capture-video: the compiled program that plays a video's episode
+        self.video_recorder: videos.VideoRecorder | None = None
+        self.stop_signal = 0  # the signal that stopped training; 0: it ran to the end
         self.compile_seconds = self.train_seconds = 0.0
-
-    def video_recorder(self, env_params: Any) -> Callable | None:
-        """The video callback (--capture-video), or None."""
-        recorder = videos.make_video_recorder(self.args, env_params, self.path, self.logger)
-        return None if recorder is None else self.host.wrap(recorder)
 
     def restore(self, states: Any) -> Any:
         """The freshly initialised seeds' `states` once per point of a --sweep; with --resume, the
@@ -67,36 +72,83 @@ class Session:
         if self.args.resume:
             states, self.start_cycle = self.checkpointer.load(states)
             devices.check_same_on_every_process(self.start_cycle, f"the cycle of the checkpoint in {self.path}")
-        return states
+        return jax.tree.map(strongly_typed, states)
 
-    def train(self, train: Callable, states: Any, mesh: jax.sharding.Mesh | None = None) -> tuple[Any, dict[str, Any]]:
-        """Compiles train(states, log_fn, checkpoint_fn, start_cycle) (the script's make_train),
-        then writes args.json (or, resumed, drops what came after the checkpoint), starts wandb
-        and runs it. Returns the final states and the metrics of the cycles run."""
-        log_fn, checkpoint_fn = self.host.wrap(self.logger, timed=True), self.host.wrap(self.checkpointer)
-        program = jax.jit(lambda states: train(states, log_fn, checkpoint_fn, self.start_cycle), donate_argnums=0)
-        compiled = program.lower(states).compile()
+    def train(self, train: Callable, states: Any, mesh: jax.sharding.Mesh | None = None,
+              policy: evaluation.Policy | None = None, env_params: Any = None) -> Any:
+        """Compiles the train program (segments.make_program of train(states, num_cycles,
+        max_cycles), the script's make_train), then writes args.json (or, resumed, drops what came
+        after the checkpoint), starts wandb and runs it in segments from the states. policy and
+        env_params: the script's (make_evaluation), for --capture-video. Returns the final states
+        (with --distributed, gathered whole in every process)."""
+        args = self.args
+        num_runs = states.cycle.shape[0]
+        self.video_recorder = videos.make_video_recorder(args, env_params, self.path, self.logger)
+        max_cycles = segments.max_segment_cycles(args.num_cycles, len(self.metric_names), num_runs)
+        program = segments.make_program(train, max_cycles, mesh).lower(*segments.program_inputs(states, mesh)).compile()
+        if self.video_recorder is not None:
+            self.video = jax.jit(lambda states: evaluation.record_video(policy, states, args)).lower(states).compile()
         self.compile_seconds = time.perf_counter() - self.start_time
         devices.wait_for_every_process("compiled")  # --distributed: every process has checked its flags and files
         if self.writes:
             print(f"compiled in {self.compile_seconds:.1f} s{'' if mesh is None else f' on {mesh.size} devices'}", flush=True)
             self.start_writing()
-        logging.getLogger("jax._src.debugging").addFilter(rundir.without_write_error_tracebacks)
+        self.episodic_returns = np.full((args.num_cycles, num_runs), np.nan)
+        for point_index, rows in enumerate(self.kept_rows):
+            for row in rows:
+                run = point_index * args.num_seeds + row["seed"] - args.seed
+                self.episodic_returns[row["cycle"] - 1, run] = np.nan if row["charts/episodic_return"] is None else row["charts/episodic_return"]
+        self.stop_requests.install(self.stop_message)
         train_start = time.perf_counter()
         try:
-            states, metrics = devices.fetch(compiled(states))  # fetch: --distributed's arrays span processes
-            jax.block_until_ready((states, metrics))
+            states, self.stop_signal = segments.run(program, states, self.start_cycle, args.num_cycles, self.must_end,
+                                                    max_cycles, mesh, self.stop_requests, self.after_segment)
             self.host.wait()
-        except jax.errors.JaxRuntimeError as error:
-            write_error = self.checkpointer.error or self.logger.error
-            if write_error is None:
+        except BaseException as error:
+            self.stop_requests.restore()
+            if isinstance(error, jax.errors.JaxRuntimeError):
                 devices.raise_if_a_process_was_lost(error)
-                raise
-            raise write_error from None
+            raise
         finally:
             self.logger.close()
         self.train_seconds = time.perf_counter() - train_start
-        return states, metrics
+        return devices.fetch(states)  # --distributed: every process gathers the whole states
+
+    def stop_message(self, signal_number: int) -> str:
+        return (f"{segments.signal_name(signal_number)}: stopping at the end of the segment in flight, with a checkpoint "
+                "for --resume; once more to quit at once")
+
+    def must_end(self, cycle: int) -> bool:
+        """A segment must end at every checkpoint and video cycle, so that the host sees the states."""
+        return cycle % logs.checkpoint_interval(self.args) == 0 or (self.video is not None and self.video_due(cycle))
+
+    def video_due(self, cycle: int) -> bool:
+        return bool(evaluation.evaluation_due(cycle, self.args))
+
+    def after_segment(self, segment: segments.Segment) -> None:
+        """On the host, while the next segment computes: its metrics rows, its returns for the
+        summary, and the checkpoint and video of its last cycle when they are due."""
+        self.host.raise_error()  # a write that failed stops the run
+        args, first, last = self.args, segment.first_cycle, segment.last_cycle
+        self.episodic_returns[first:last] = segment.metrics["charts/episodic_return"]
+        if last == args.num_cycles and args.eval_every_cycles:
+            self.final_eval_returns = segment.metrics["eval/episodic_return"][-1]
+        cycles = [cycle for cycle in range(first + 1, last + 1) if logs.row_due(cycle, args)]
+        if cycles:
+            values = np.stack([segment.metrics[name] for name in self.metric_names], axis=1)  # (cycles, metrics, runs)
+            self.host.submit(self.logger, cycles, values[[cycle - first - 1 for cycle in cycles]], segment.ready_time)
+        if last % logs.checkpoint_interval(args) == 0:
+            self.checkpoint(segment.states)
+        if self.video is not None and self.video_due(last):
+            self.host.submit(self.video_recorder, *devices.fetch(self.video(segment.states)))
+
+    def checkpoint(self, states: Any) -> None:
+        """Queues a checkpoint of the states, unless a seed has failed (the last good checkpoint
+        stays on disk; a --sweep goes on checkpointing its other points)."""
+        if self.grid is None and np.any(segments.local_copy(states.non_finite) > 0):
+            return
+        cycle = int(segments.local_copy(states.cycle)[0])
+        self.host.submit(self.checkpointer, cycle, devices.fetch(jax.tree.map(rundir.key_data_or_array, states)))
 
     def start_writing(self) -> None:
         """Once compiled: the first writes to the run dir, the wandb runs, and the metrics logger."""
@@ -104,6 +156,7 @@ class Session:
         if args.resume:
             self.kept_rows = [rundir.keep_metrics_up_to(folder, self.start_cycle, self.resumable_names) for _, folder in self.points]
             self.checkpointer.drop_after(self.start_cycle)
+            rundir.clear_interrupted(self.path)
             print(f"resuming {self.path} from cycle {self.start_cycle}", flush=True)
         else:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -125,34 +178,66 @@ class Session:
               flush=True)
         self.logger.start(self.start_cycle, self.wandb_runs[0] if self.grid is None else self.wandb_runs)
 
-    def finish(self, states: Any, metrics: dict[str, Any], more_results: dict[str, Any] | None = None) -> dict[str, Any]:
+    def finish(self, states: Any, more_results: dict[str, Any] | None = None) -> dict[str, Any]:
         """Writes params.msgpack, each of `more_results` that is not None (file name: tree), and
         summary.json (with --sweep: into each point's folder, and a summary of the points into the
-        run dir); finishes wandb; reports every failed seed on stderr. Returns the summary."""
-        summaries = []
-        for index, (args, folder) in enumerate(self.points):
-            point_states = self.runs_of_point(states, index)
-            summary = self.summary(args, self.kept_rows[index], point_states, self.runs_of_point(metrics, index, axis=1))
-            summaries.append(summary)
-            if self.writes:
-                (folder / "params.msgpack").write_bytes(flax.serialization.to_bytes(point_states.params))
-                for name, tree in (more_results or {}).items():
-                    if tree is not None:
-                        (folder / name).write_bytes(flax.serialization.to_bytes(self.runs_of_point(tree, index)))
-                (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-                logs.finish_wandb_runs(args, self.wandb_runs[index], summary)
-        summary = summaries[0] if self.grid is None else self.sweep_summary(summaries)
-        if not self.writes:
+        run dir); finishes wandb; reports every failed seed on stderr. Returns the summary. A run
+        that a signal stopped gets its checkpoint and params.msgpack, and raises Interrupted."""
+        try:
+            self.write_results(states, more_results)
+            cycle = int(np.asarray(states.cycle)[0])
+            if cycle < self.args.num_cycles:
+                self.interrupted(states, cycle)
+            summaries = []
+            for index, (args, folder) in enumerate(self.points):
+                summary = self.summary(args, self.runs_of_point(self.episodic_returns, index, axis=1),
+                                       self.runs_of_point(states, index), self.runs_of_point(self.final_eval_returns, index))
+                summaries.append(summary)
+                if self.writes:
+                    (folder / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+                    logs.finish_wandb_runs(args, self.wandb_runs[index], summary)
+            summary = summaries[0] if self.grid is None else self.sweep_summary(summaries)
+            if not self.writes:
+                return summary
+            if self.grid is not None:
+                (self.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            self.report(summary, summaries)
             return summary
-        if self.grid is not None:
-            (self.path / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        self.report(summary, summaries)
-        return summary
+        finally:
+            self.stop_requests.restore()
+
+    def write_results(self, states: Any, more_results: dict[str, Any] | None) -> None:
+        """params.msgpack and each of `more_results` that is not None, in each point's folder."""
+        if not self.writes:
+            return
+        for index, (_, folder) in enumerate(self.points):
+            (folder / "params.msgpack").write_bytes(flax.serialization.to_bytes(self.runs_of_point(states.params, index)))
+            for name, tree in (more_results or {}).items():
+                if tree is not None:
+                    (folder / name).write_bytes(flax.serialization.to_bytes(self.runs_of_point(tree, index)))
+
+    def interrupted(self, states: Any, cycle: int) -> None:
+        """A run stopped by a signal at `cycle`: its checkpoint (unless a seed has failed: the last
+        good one stays), the mark that it is unfinished, and Interrupted with the --resume command."""
+        if self.grid is not None or not np.any(np.asarray(states.non_finite) > 0):
+            self.checkpointer(cycle, jax.tree.map(rundir.key_data_or_array, states))
+        signal_name = segments.signal_name(self.stop_signal)
+        command = f"python {rundir.script_path(self.args).name} --resume {self.path}"
+        if self.writes:
+            rundir.mark_interrupted(self.path, cycle, signal_name, command)
+            for wandb_runs in self.wandb_runs:
+                for wandb_run in wandb_runs:
+                    wandb_run.finish(exit_code=128 + self.stop_signal)
+        raise Interrupted(
+            f"{signal_name}: stopped at cycle {cycle}/{self.args.num_cycles}; {self.path} holds its checkpoint, metrics "
+            f"and params.msgpack. Continue with: {command}",
+            exit_code=128 + self.stop_signal,
+        )
 
     def runs_of_point(self, tree: Any, index: int, axis: int = 0) -> Any:
         """The runs (seeds) of point `index` of a sweep in a tree with the runs' axis at `axis`; the
         tree itself without --sweep."""
-        return tree if self.grid is None else sweeps.point_runs(tree, index, self.args.num_seeds, axis)
+        return tree if self.grid is None or tree is None else sweeps.point_runs(tree, index, self.args.num_seeds, axis)
 
     def report(self, summary: dict[str, Any], summaries: list[dict[str, Any]]) -> None:
         """The console's last line, and a line on stderr per failed seed."""
@@ -178,18 +263,12 @@ class Session:
                     file=sys.stderr,
                 )
 
-    def summary(self, args: Any, kept_rows: list[dict[str, Any]], states: Any, metrics: dict[str, Any]) -> dict[str, Any]:
-        """summary.json of a run (or of a point of a sweep: its args, rows and seeds): speed, the
+    def summary(self, args: Any, episodic_returns: np.ndarray, states: Any, final_eval_returns: np.ndarray | None) -> dict[str, Any]:
+        """summary.json of a run (or of a point of a sweep: its args, returns and seeds): speed, the
         final returns (the last 10% of cycles, a resumed run's earlier rows included), the final
-        evaluation, memory, and the seeds the NaN guard stopped."""
-        episodic_return = np.full((args.num_cycles, args.num_seeds), np.nan)
-        seed_index = {args.seed + i: i for i in range(args.num_seeds)}
-        for row in kept_rows:
-            if row["charts/episodic_return"] is not None:
-                episodic_return[row["cycle"] - 1, seed_index[row["seed"]]] = row["charts/episodic_return"]
-        episodic_return[self.start_cycle:] = np.asarray(metrics["charts/episodic_return"])
-        returns = rundir.final_returns(args, episodic_return)
-        eval_returns = rundir.final_eval_returns(args, metrics)
+        evaluation, memory, and the seeds the NaN guard stopped. episodic_returns: (cycles, seeds)."""
+        returns = rundir.final_returns(args, episodic_returns)
+        eval_returns = rundir.final_eval_returns(args, final_eval_returns)
         return {
             "sps": (args.num_cycles - self.start_cycle) * args.batch_size * args.num_seeds / self.train_seconds,
             "compile_seconds": self.compile_seconds,
@@ -228,6 +307,34 @@ class Session:
         }
 
 
+def strongly_typed(leaf: jax.Array) -> jax.Array:
+    """The leaf without JAX's weak type (gymnax's step counters start as weakly typed ints), as a
+    checkpoint restores it: a fresh run and its resumption then trace the same program, which the
+    compilation cache finds again."""
+    return leaf if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key) else jnp.asarray(leaf, leaf.dtype)
+
+
 def mean_or_none(values: list[float | None]) -> float | None:
     finite = [value for value in values if value is not None]
     return float(np.mean(finite)) if finite else None
+
+
+DEFAULT_COMPILATION_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ppo-jax" / "xla"
+COMPILATION_CACHE_MAX_BYTES = 4 * 2**30  # least recently used programs go first beyond this
+COMPILATION_CACHE_MIN_SECONDS = 0.2  # programs that compile faster are not worth a file
+
+
+def use_compilation_cache(folder: str | None) -> None:
+    """JAX's persistent compilation cache, so that the next run of the same configuration loads
+    its programs instead of compiling them: in `folder` (--compilation-cache-dir), else in
+    $JAX_COMPILATION_CACHE_DIR when set, else DEFAULT_COMPILATION_CACHE; "off" turns it off. Before
+    anything compiles."""
+    if folder == "off":
+        jax.config.update("jax_enable_compilation_cache", False)
+        return
+    jax.config.update("jax_enable_compilation_cache", True)
+    if folder is None and jax.config.jax_compilation_cache_dir:  # $JAX_COMPILATION_CACHE_DIR, and its own settings
+        return
+    jax.config.update("jax_compilation_cache_dir", str(folder or DEFAULT_COMPILATION_CACHE))
+    jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_MAX_BYTES)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", COMPILATION_CACHE_MIN_SECONDS)

@@ -208,17 +208,15 @@ class PointLoggers:
             logger.start(cycle, point_wandb_runs)
         self.last_time, self.last_cycle = time.perf_counter(), cycle
 
-    def __call__(self, cycles: Any, num_rows: Any, values: Any, now: float | None = None) -> None:
+    def __call__(self, cycles: list[int], values: Any, now: float | None = None) -> None:
         now = time.perf_counter() if now is None else float(now)
         num_seeds = self.args.num_seeds
         for index, logger in enumerate(self.loggers):
-            logger(cycles, num_rows, np.asarray(values)[..., index * num_seeds:(index + 1) * num_seeds], now)
-        cycles = np.asarray(cycles)[: int(num_rows)]
-        if not len(cycles) or jax.process_index() != 0:
+            logger(cycles, np.asarray(values)[..., index * num_seeds:(index + 1) * num_seeds], now)
+        if jax.process_index() != 0:
             return
-        cycle = int(cycles[-1])
-        if now - self.last_print >= 1.0 or cycle == self.args.num_cycles:
-            self.print_line(cycle, np.asarray(values, np.float64)[len(cycles) - 1], now)
+        if now - self.last_print >= 1.0 or cycles[-1] == self.args.num_cycles:
+            self.print_line(cycles[-1], np.asarray(values, np.float64)[-1], now)
 
     def print_line(self, cycle: int, row: np.ndarray, now: float) -> None:
         """Progress, and each point's return (mean over its seeds)."""

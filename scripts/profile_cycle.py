@@ -20,8 +20,8 @@ cycle's shapes (random observations and rollout data: the costs do not depend on
   x epochs x minibatches (no optimizer step).
 
 Each part's time is the median of --part-calls calls after one warm-up call, times its count.
-The full cycle is the script's own compiled train loop (`make_train`, no host callbacks) over
---cycles cycles, the median of --repeats timed runs after one warm-up run, divided by --cycles;
+The full cycle is the script's own train program as a run compiles it (`make_train` in
+ppo_support's segment program), --cycles cycles in one call with no host work, the median of --repeats timed runs after one warm-up run, divided by --cycles;
 compilation is never timed. The last line is the ratio cycle / sum of parts: 1.0 means the cycle
 costs exactly its parts; above 1 is what the train loop adds (the scan, shuffles, GAE, Adam,
 metrics, and anything XLA compiles worse inside a loop than standalone).
@@ -59,14 +59,17 @@ def median_seconds(function, arguments: tuple, calls: int) -> float:
 
 
 def cycle_seconds(module, args, num_cycles: int, repeats: int) -> float:
-    """The script's compiled train loop (one seed, no callbacks), per cycle."""
-    import jax
+    """The script's train program as a run compiles it (one seed), num_cycles cycles in one call
+    with no host work, per cycle."""
+    import numpy as np
 
     env, env_params = module.envs.make_env(args.env_id, args.sticky_action_prob, args.optimistic_reset_ratio, args.env_params)
     init, train = module.make_train(args, env, env_params)
     states = module.devices.stack_seeds([init(args.seed)])
-    compiled = jax.jit(lambda s: train(s)).lower(states).compile()
-    return median_seconds(compiled, (states,), repeats) / num_cycles
+    segments = module.sessions.segments  # the script's own package's
+    program, inputs = segments.make_program(train, num_cycles, None), segments.program_inputs(states, None)
+    compiled = program.lower(*inputs).compile()
+    return median_seconds(compiled, (states, np.int32(num_cycles), inputs[2]), repeats) / num_cycles
 
 
 def random_rollout_data(args, obs_shape: tuple[int, ...], num_actions: int) -> dict:

@@ -19,12 +19,13 @@ Every measurement is its own process, ours and theirs in turn, best of --repeats
 against `ppo_lstm_impala.py --torso mlp` with a dense 128 embedding and an LSTM of 128
 (OURS_ON_PPO_RNN_CONFIG).
 
---compiled-loops compares the compiled training programs alone, in one process: ours is
-ppo_mlp.py's make_train loop without host callbacks (no metrics file, console or checkpoints), with
-the CPU settings its run() applies. PureJaxRL's is lowered before ours, with JAX's own lowering, so
-the one setting the two share is XLA's scheduler flag (read once per process). A third program is
-ours with the host callbacks run() gives it (metrics.jsonl and checkpoints in a temporary folder,
-console lines discarded), which prices them. The three are called in turn, in an order that turns
+--compiled-loops compares the compiled training programs alone, in one process: ours is the
+program ppo_mlp.py's run compiles (its make_train loop, as ppo_support's segments wrap it) in one
+call of every cycle, with no host work, and with the CPU settings its run() applies. PureJaxRL's
+is lowered before ours, with JAX's own lowering, so the one setting the two share is XLA's
+scheduler flag (read once per process). The third is ours as a run runs it: ppo_support's session
+with its segments, metrics.jsonl and checkpoints in a temporary folder (console lines discarded),
+which prices the host's work. The three are called in turn, in an order that turns
 each round (so that none always goes first), and each ratio is taken within a round (a speed ratio
 is the other's time over this one's), so a shared machine's drift over minutes falls on all; the
 table gives the medians of those ratios, and the lowest and highest round of ours against theirs.
@@ -204,55 +205,55 @@ def compiled_loops_rows(purejaxrl_dir: Path, seeds: list[int], repeats: int, num
 
 
 def compiled_loops_row(ppo_mlp: types.ModuleType, theirs, keys, num_seeds: int, repeats: int, num_total_env_steps: int) -> str:
-    """Three compiled programs in this process, called in turn each round: ours without host
-    callbacks, PureJaxRL's, and ours with the metrics file, console and checkpoints that run() gives
-    it. A markdown row of the median env steps/s of each and the medians of the per-round ratios,
+    """Three programs in this process, called in turn each round: our train program alone (the one
+    a run compiles, in one call of every cycle, no host work), PureJaxRL's, and ours as a run
+    runs it (ppo_support's session: segments dispatched ahead, metrics.jsonl, the console line
+    and checkpoints written by the host thread; the compilation cache makes its compile a load).
+    A markdown row of the median env steps/s of each and the medians of the per-round ratios,
     after one warm-up call each."""
     import contextlib
+    import dataclasses
     import io
     import statistics
 
     import jax
+    import numpy as np
 
     args = ppo_mlp.Args(num_seeds=num_seeds, num_total_env_steps=num_total_env_steps)
     env, env_params = ppo_mlp.envs.make_env(args.env_id)
     init, train = ppo_mlp.make_train(args, env, env_params)
     states = ppo_mlp.devices.stack_seeds([init(args.seed + i) for i in range(num_seeds)])
-    ours = jax.jit(lambda states: train(states)).lower(states).compile()
+    states = jax.tree.map(ppo_mlp.sessions.strongly_typed, states)  # as a run's session gives them
+    segments = ppo_mlp.sessions.segments  # the script's own package's
+    names = ppo_mlp.run_metric_names(env, env_params)
+    program = segments.make_program(train, segments.max_segment_cycles(args.num_cycles, len(names), num_seeds), None)
+    inputs = segments.program_inputs(states, None)
+    ours = program.lower(*inputs).compile()
+    everything = (states, np.int32(args.num_cycles), inputs[2])
     env_steps = args.num_cycles * args.batch_size * num_seeds  # the same for both: NUM_UPDATES = num_cycles
+    policy = ppo_mlp.make_evaluation(ppo_mlp.make_network(args, env.action_space(env_params).n), env, env_params, args)
 
-    with tempfile.TemporaryDirectory() as run_dir:
-        logger = ppo_mlp.logs.MetricsLogger(args, Path(run_dir), ppo_mlp.run_metric_names(env, env_params))
-        checkpointer = ppo_mlp.rundir.Checkpointer(Path(run_dir), args.keep_checkpoints)
-        host = ppo_mlp.logs.HostQueue()  # as a run does: the callbacks queue, a thread writes
-        logged = jax.jit(lambda states: train(states, host.wrap(logger, timed=True), host.wrap(checkpointer))).lower(states).compile()
+    def seconds(compiled, *inputs) -> float:
+        start = time.perf_counter()
+        jax.block_until_ready(compiled(*inputs))
+        return time.perf_counter() - start
 
-        def seconds(compiled, inputs) -> float:
-            start = time.perf_counter()
-            jax.block_until_ready(compiled(inputs))
-            return time.perf_counter() - start
+    def session_seconds() -> float:
+        with tempfile.TemporaryDirectory() as folder, contextlib.redirect_stdout(io.StringIO()):  # console lines kept out
+            run_args = dataclasses.replace(args, run_dir=str(Path(folder) / "run"), compilation_cache_dir=str(Path(folder).parent / CACHE))
+            session = ppo_mlp.sessions.Session(run_args, names)
+            session.train(train, session.restore(states), None, policy, env_params)
+            return session.train_seconds
 
-        def logged_seconds() -> float:
-            checkpointer.last_saved_cycle = -1  # it never writes an older cycle than its last, and each round starts over
-            logger.start(0, [])
-            with contextlib.redirect_stdout(io.StringIO()):  # its console lines, kept out of the table
-                start = time.perf_counter()
-                jax.block_until_ready(logged(states))
-                host.wait()
-                elapsed = time.perf_counter() - start
-            logger.close()
-            return elapsed
-
-        timings = {"ours": [], "theirs": [], "logged": []}
-        programs = [("ours", lambda: seconds(ours, states)), ("theirs", lambda: seconds(theirs, keys)),
-                    ("logged", logged_seconds)]
-        for round_ in range(repeats + 1):  # round 0 warms up
-            # The order turns each round: of two identical programs called in turn, the second ran
-            # 3% faster here (median of 10 rounds), so a fixed order would favour one of them.
-            for name, time_it in programs[round_ % 3:] + programs[: round_ % 3]:
-                elapsed = time_it()
-                if round_ > 0:
-                    timings[name].append(elapsed)
+    timings = {"ours": [], "theirs": [], "logged": []}
+    programs = [("ours", lambda: seconds(ours, *everything)), ("theirs", lambda: seconds(theirs, keys)), ("logged", session_seconds)]
+    for round_ in range(repeats + 1):  # round 0 warms up
+        # The order turns each round: of two identical programs called in turn, the second ran
+        # 3% faster here (median of 10 rounds), so a fixed order would favour one of them.
+        for name, time_it in programs[round_ % 3:] + programs[: round_ % 3]:
+            elapsed = time_it()
+            if round_ > 0:
+                timings[name].append(elapsed)
 
     def per_round(slower: str, faster: str) -> list[float]:  # the faster one's speed over the slower one's
         return [s / f for s, f in zip(timings[slower], timings[faster])]
@@ -262,6 +263,9 @@ def compiled_loops_row(ppo_mlp: types.ModuleType, theirs, keys, num_seeds: int, 
     return (f"| {num_seeds} | {speed['ours']:,.0f} | {speed['theirs']:,.0f} | {statistics.median(ratios):.2f}x | "
             f"{min(ratios):.2f}x-{max(ratios):.2f}x | {speed['logged']:,.0f} | "
             f"{statistics.median(per_round('theirs', 'logged')):.2f}x | {statistics.median(per_round('logged', 'ours')):.3f}x |")
+
+
+CACHE = "vs-purejaxrl-compilation-cache"  # beside the rounds' temporary run dirs
 
 
 def main() -> int:

@@ -33,11 +33,22 @@ TINY = {  # three cycles each
 
 
 def train(module, args, video_fn=None):
+    """Trains in segments of one cycle, as a run's host may cut them, and gives video_fn(cycle,
+    env states, frames, done) the episode evaluation.record_video plays at each cycle a run
+    records a video of (evaluation_due: every evaluation, or the last cycle without)."""
     env, env_params = envs.make_env(args.env_id)
-    init, train_fn = module.make_train(args, env, env_params, video_fn=video_fn)
+    init, train_fn = module.make_train(args, env, env_params)
     states = devices.stack_seeds([init(args.seed + i) for i in range(args.num_seeds)])
-    states, metrics = jax.jit(lambda s: train_fn(s))(states)
-    return states, {name: np.asarray(value) for name, value in metrics.items()}
+    segment = jax.jit(lambda s, n: train_fn(s, n, 1))
+    policy = module.make_evaluation(module.make_network(args, env.action_space(env_params).n), env, env_params, args)
+    record_video = jax.jit(lambda s: evaluation.record_video(policy, s, args))
+    rows = []
+    for cycle in range(1, args.num_cycles + 1):
+        states, metrics = segment(states, np.int32(1))
+        rows.append(metrics)
+        if video_fn is not None and evaluation.evaluation_due(cycle, args):
+            video_fn(*record_video(states))
+    return states, {name: np.concatenate([np.asarray(row[name]) for row in rows]) for name in rows[0]}
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))

@@ -349,26 +349,28 @@ def test_checkpoint_and_metrics_write_errors_are_kept_and_leave_earlier_checkpoi
         logger.start(0, None)
         rows = np.zeros((1, len(ppo_mlp.METRIC_NAMES), 2), np.float32)
         with pytest.raises(errors.WriteError, match="No space left on device"):
-            logger(np.array([1]), 1, rows)
+            logger([1], rows)
         assert logger.error is not None
         logger.close()  # the failed rows were reported; closing does not raise again
 
 
-def test_the_host_queue_runs_the_callbacks_in_order_and_stops_at_the_first_error():
-    # The train loop's callbacks only queue their arrays (logs.HostQueue); the metrics logger and
-    # the checkpointer run on the queue's thread, and their first error stops the run.
+def test_the_host_queue_runs_its_jobs_in_order_and_stops_at_the_first_error():
+    # The metrics logger and the checkpointer run on the queue's thread (logs.HostQueue) while the
+    # main thread dispatches segments; their first error stops the run at the next segment.
     host = logs.HostQueue()
     seen = []
-    record = host.wrap(lambda value, now: seen.append((int(value), float(now))), timed=True)
-    fail = host.wrap(lambda value: (_ for _ in ()).throw(errors.WriteError(f"cannot write {int(value)}")))
+    record = lambda value, label: seen.append((value, label))  # noqa: E731
+    fail = lambda value: (_ for _ in ()).throw(errors.WriteError(f"cannot write {int(value)}"))  # noqa: E731
     for value in range(1, 4):
-        record(np.int32(value))
+        host.submit(record, jax.numpy.int32(value), f"row {value}")
     host.wait()
-    assert [value for value, _ in seen] == [1, 2, 3]
-    assert seen[0][1] <= seen[1][1] <= seen[2][1] <= time.perf_counter()  # the times of the calls
-    fail(np.int32(4))
+    assert [(int(value), label) for value, label in seen] == [(1, "row 1"), (2, "row 2"), (3, "row 3")]
+    assert all(type(value) is np.ndarray for value, _ in seen)  # JAX arrays arrive as NumPy arrays, the rest as they are
+    host.raise_error()  # nothing failed
+    host.submit(fail, np.int32(4))
+    host.submit(record, np.int32(5), "after the error")
     with pytest.raises(errors.WriteError, match="cannot write 4"):
         host.wait()
-    with pytest.raises(errors.WriteError, match="cannot write 4"):  # the next callback stops the compiled run
-        record(np.int32(5))
-    assert [value for value, _ in seen] == [1, 2, 3]
+    with pytest.raises(errors.WriteError, match="cannot write 4"):  # the next segment stops the run
+        host.raise_error()
+    assert [label for _, label in seen] == ["row 1", "row 2", "row 3"]  # nothing runs after the first error

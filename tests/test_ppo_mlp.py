@@ -22,12 +22,12 @@ from ppo_support import devices, envs, rundir
 SCRIPT = Path(ppo_mlp.__file__)
 
 
-def train_in_process(args: ppo_mlp.Args, log_fn=None):
+def train_in_process(args: ppo_mlp.Args):
     """Trains without writing anything; returns (final states, metrics (cycles, seeds))."""
     env, env_params = envs.make_env(args.env_id)
     init, train = ppo_mlp.make_train(args, env, env_params)
     states = devices.stack_seeds([init(args.seed + i) for i in range(args.num_seeds)])
-    states, metrics = jax.jit(lambda s: train(s, log_fn))(states)
+    states, metrics = jax.jit(train)(states)
     return states, {name: np.asarray(value) for name, value in metrics.items()}
 
 
