@@ -107,15 +107,28 @@ def shard_over_devices(cycle_of_every_seed: Callable, mesh: jax.sharding.Mesh, s
     return jax.shard_map(cycle_of_every_seed, mesh=mesh, in_specs=(specs,), out_specs=(specs, P()))
 
 
-def place_on_mesh(states: Any, mesh: jax.sharding.Mesh | None) -> Any:
-    if mesh is None:
-        return states
-    shardings = jax.tree.map(
+def state_shardings(states: Any, mesh: jax.sharding.Mesh) -> Any:
+    """Each leaf's NamedSharding (state_partition_specs)."""
+    return jax.tree.map(
         lambda spec, subtree: jax.tree.map(lambda _: jax.sharding.NamedSharding(mesh, spec), subtree),
         state_partition_specs(type(states)),
         states,
         is_leaf=lambda node: isinstance(node, P),
     )
+
+
+def shapes_on_mesh(shapes: Any, mesh: jax.sharding.Mesh | None) -> Any:
+    """The states' jax.ShapeDtypeStructs (jax.eval_shape's) with their shardings (place_on_mesh's)."""
+    if mesh is None:
+        return shapes
+    return jax.tree.map(lambda shape, sharding: jax.ShapeDtypeStruct(shape.shape, shape.dtype, sharding=sharding),
+                        shapes, state_shardings(shapes, mesh))
+
+
+def place_on_mesh(states: Any, mesh: jax.sharding.Mesh | None) -> Any:
+    if mesh is None:
+        return states
+    shardings = state_shardings(states, mesh)
     if jax.process_count() == 1:
         return jax.device_put(states, shardings)
     return jax.tree.map(global_array, states, shardings)
@@ -227,6 +240,11 @@ def make_mesh(args: Any, sequence_length: int = 1) -> jax.sharding.Mesh | None:
     if num_devices == 1:
         return None
     return jax.make_mesh((num_devices,), (DEVICE_AXIS,), devices=devices[:num_devices])
+
+
+def description() -> str:
+    """The devices this process trains on, as summary.json names them: "1 x TPU v5 lite"."""
+    return f"{jax.device_count()} x {jax.devices()[0].device_kind}"
 
 
 def peak_device_memory_mb() -> float | None:

@@ -167,6 +167,29 @@ def local_copy(tree: Any) -> Any:
     return jax.tree.map(lambda leaf: np.asarray(leaf.addressable_shards[0].data), tree)
 
 
+class Background:
+    """function() on a daemon thread of its own (a compile: XLA works without the GIL), and its
+    wait in short sleeps, so that a signal's Python handler runs at once."""
+
+    def __init__(self, function: Callable[[], None]):
+        self.error: BaseException | None = None
+
+        def run() -> None:
+            try:
+                function()
+            except BaseException as error:  # raised again by wait()
+                self.error = error
+
+        self.thread = threading.Thread(target=run, daemon=True)
+        self.thread.start()
+
+    def wait(self) -> None:
+        while self.thread.is_alive():
+            self.thread.join(0.01)
+        if self.error is not None:
+            raise self.error
+
+
 def wait_until_ready(array: jax.Array) -> None:
     """Waits for a computation in short sleeps, so that a signal's Python handler runs at once."""
     while not array.is_ready():

@@ -12,12 +12,14 @@ import json
 import os
 import resource
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, Callable
 
 import flax.serialization
 import jax
+from jax.experimental.compilation_cache import compilation_cache
 import jax.numpy as jnp
 import numpy as np
 
@@ -60,49 +62,94 @@ class Session:
         self.wandb_runs: list[list[Any]] = [[] for _ in self.points]
         self.episodic_returns = np.empty((0, 0))  # (cycles, runs): charts/episodic_return of every cycle, for the summary
         self.final_eval_returns: np.ndarray | None = None  # (runs,): eval/episodic_return at the last cycle
+        self.program: Callable | None = None  # the train program, compiled (segments.make_program)
         self.video: Callable | None = None  # --capture-video: the compiled program that plays a video's episode
         self.video_recorder: videos.VideoRecorder | None = None
+        self.compiling: segments.Background | None = None
+        self.mesh: jax.sharding.Mesh | None = None
+        self.max_cycles = 1
+        self.training = False  # the program runs
         self.stop_signal = 0  # the signal that stopped training; 0: it ran to the end
-        self.compile_seconds = self.train_seconds = 0.0
+        self.compile_seconds = self.train_seconds = 0.0  # from this session's start to a compiled program; training
+        self.program_compile_seconds = 0.0  # XLA's compile of the train program, or its load from the cache
+        self.program_from_cache = False
+
+    def compile(self, train: Callable, init: Callable, mesh: jax.sharding.Mesh | None = None,
+                policy: evaluation.Policy | None = None, env_params: Any = None) -> None:
+        """Starts compiling the train program (segments.make_program of the script's make_train
+        train) on a thread of its own, at the shapes the seeds' init(seed) gives, so that XLA
+        compiles it while the seeds are initialised (docs/performance.md). policy and env_params:
+        the script's (make_evaluation), for --capture-video. From here on Ctrl-C and SIGTERM are
+        the run's: before training starts, one ends it with nothing written."""
+        args = self.args
+        self.video_recorder = videos.make_video_recorder(args, env_params, self.path, self.logger)
+        seeds = [args.seed + i for i in range(args.num_seeds)]
+        shapes = jax.eval_shape(lambda: self.fresh_states(devices.stack_seeds([init(seed) for seed in seeds])))
+        shapes = devices.shapes_on_mesh(shapes, mesh)
+        self.max_cycles = segments.max_segment_cycles(args.num_cycles, len(self.metric_names), shapes.cycle.shape[0])
+        self.mesh = mesh
+        self.stop_requests.install(self.stop_message)
+        if self.writes:
+            print(f"compiling the train program{'' if mesh is None else f' for {mesh.size} devices'}...", flush=True)
+
+        def compile_programs() -> None:
+            lowered = segments.make_program(train, self.max_cycles, mesh).lower(*segments.program_inputs(shapes, mesh))
+            start, hits = time.perf_counter(), cache_hits_in_this_thread()
+            self.program = lowered.compile()
+            self.program_compile_seconds = time.perf_counter() - start
+            self.program_from_cache = cache_hits_in_this_thread() > hits
+            if self.video_recorder is not None:
+                self.video = jax.jit(lambda states: evaluation.record_video(policy, states, args)).lower(shapes).compile()
+
+        self.compiling = segments.Background(compile_programs)
+
+    def fresh_states(self, states: Any) -> Any:
+        """The seeds' freshly initialised states once per point of a --sweep, without weak types."""
+        return jax.tree.map(strongly_typed, sweeps.runs_of_points(states, self.grid, self.args.num_seeds))
 
     def restore(self, states: Any) -> Any:
-        """The freshly initialised seeds' `states` once per point of a --sweep; with --resume, the
-        checkpoint's states in their place."""
-        states = sweeps.runs_of_points(states, self.grid, self.args.num_seeds)
-        if self.args.resume:
-            states, self.start_cycle = self.checkpointer.load(states)
-            devices.check_same_on_every_process(self.start_cycle, f"the cycle of the checkpoint in {self.path}")
-        return jax.tree.map(strongly_typed, states)
+        """fresh_states of the seeds' `states`; with --resume, the checkpoint's states in their place."""
+        try:
+            states = self.fresh_states(states)
+            if self.args.resume:
+                states, self.start_cycle = self.checkpointer.load(states)
+                devices.check_same_on_every_process(self.start_cycle, f"the cycle of the checkpoint in {self.path}")
+        except BaseException:
+            self.stop_requests.restore()
+            raise
+        return devices.place_on_mesh(states, self.mesh)
 
-    def train(self, train: Callable, states: Any, mesh: jax.sharding.Mesh | None = None,
-              policy: evaluation.Policy | None = None, env_params: Any = None) -> Any:
-        """Compiles the train program (segments.make_program of train(states, num_cycles,
-        max_cycles), the script's make_train), then writes args.json (or, resumed, drops what came
-        after the checkpoint), starts wandb and runs it in segments from the states. policy and
-        env_params: the script's (make_evaluation), for --capture-video. Returns the final states
-        (with --distributed, gathered whole in every process)."""
-        args = self.args
+    def train(self, states: Any) -> Any:
+        """Once the program has compiled: writes args.json (or, resumed, drops what came after the
+        checkpoint), starts wandb and runs the program in segments from the states (restore's).
+        Returns the final states (with --distributed, gathered whole in every process)."""
+        args, mesh = self.args, self.mesh
+        try:
+            self.compiling.wait()  # in short sleeps: a signal is seen at once
+            self.compile_seconds = time.perf_counter() - self.start_time
+            if self.stop_requests.signal_number and jax.process_count() == 1:  # (--distributed: stopped by every process)
+                raise Interrupted(f"{segments.signal_name(self.stop_requests.signal_number)}: stopped before training "
+                                  "started; nothing was written", exit_code=128 + self.stop_requests.signal_number)
+            devices.wait_for_every_process("compiled")  # --distributed: every process has checked its flags and files
+            if self.writes:
+                how = "loaded from the compilation cache" if self.program_from_cache else "XLA compiled"
+                print(f"compiled in {self.compile_seconds:.1f} s{'' if mesh is None else f' on {mesh.size} devices'} (the train "
+                      f"program {how} in {self.program_compile_seconds:.1f} s)", flush=True)
+                self.start_writing()
+        except BaseException:
+            self.stop_requests.restore()
+            raise
         num_runs = states.cycle.shape[0]
-        self.video_recorder = videos.make_video_recorder(args, env_params, self.path, self.logger)
-        max_cycles = segments.max_segment_cycles(args.num_cycles, len(self.metric_names), num_runs)
-        program = segments.make_program(train, max_cycles, mesh).lower(*segments.program_inputs(states, mesh)).compile()
-        if self.video_recorder is not None:
-            self.video = jax.jit(lambda states: evaluation.record_video(policy, states, args)).lower(states).compile()
-        self.compile_seconds = time.perf_counter() - self.start_time
-        devices.wait_for_every_process("compiled")  # --distributed: every process has checked its flags and files
-        if self.writes:
-            print(f"compiled in {self.compile_seconds:.1f} s{'' if mesh is None else f' on {mesh.size} devices'}", flush=True)
-            self.start_writing()
         self.episodic_returns = np.full((args.num_cycles, num_runs), np.nan)
         for point_index, rows in enumerate(self.kept_rows):
             for row in rows:
                 run = point_index * args.num_seeds + row["seed"] - args.seed
                 self.episodic_returns[row["cycle"] - 1, run] = np.nan if row["charts/episodic_return"] is None else row["charts/episodic_return"]
-        self.stop_requests.install(self.stop_message)
+        self.training = True
         train_start = time.perf_counter()
         try:
-            states, self.stop_signal = segments.run(program, states, self.start_cycle, args.num_cycles, self.must_end,
-                                                    max_cycles, mesh, self.stop_requests, self.after_segment)
+            states, self.stop_signal = segments.run(self.program, states, self.start_cycle, args.num_cycles, self.must_end,
+                                                    self.max_cycles, mesh, self.stop_requests, self.after_segment)
             self.host.wait()
         except BaseException as error:
             self.stop_requests.restore()
@@ -115,6 +162,9 @@ class Session:
         return devices.fetch(states)  # --distributed: every process gathers the whole states
 
     def stop_message(self, signal_number: int) -> str:
+        if not self.training:
+            return (f"{segments.signal_name(signal_number)}: stopping once the program has compiled, with nothing written; "
+                    "once more to quit at once")
         return (f"{segments.signal_name(signal_number)}: stopping at the end of the segment in flight, with a checkpoint "
                 "for --resume; once more to quit at once")
 
@@ -272,6 +322,8 @@ class Session:
         return {
             "sps": (args.num_cycles - self.start_cycle) * args.batch_size * args.num_seeds / self.train_seconds,
             "compile_seconds": self.compile_seconds,
+            "program_compile_seconds": self.program_compile_seconds,
+            "program_from_cache": self.program_from_cache,
             "train_seconds": self.train_seconds,
             "total_seconds": time.perf_counter() - self.start_time,
             "env_steps_per_seed": args.num_cycles * args.batch_size,
@@ -283,6 +335,8 @@ class Session:
             "final_eval_return_per_seed": eval_returns,
             "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,  # Linux: KiB
             "peak_device_memory_mb": devices.peak_device_memory_mb(),
+            "devices": devices.description(),
+            "jax_version": jax.__version__,
             "failures": nan_guard.failures(states, args.seed),
         }
 
@@ -300,8 +354,9 @@ class Session:
             "sweep": list(self.args.sweep),
             "points": points,
             "sps": sum(summary["sps"] for summary in summaries),
-            **{key: first[key] for key in ("compile_seconds", "train_seconds", "total_seconds", "env_steps_per_seed",
-                                           "num_seeds", "resumed_from_cycle", "peak_rss_mb", "peak_device_memory_mb")},
+            **{key: first[key] for key in ("compile_seconds", "program_compile_seconds", "program_from_cache", "train_seconds",
+                                           "total_seconds", "env_steps_per_seed", "num_seeds", "resumed_from_cycle",
+                                           "peak_rss_mb", "peak_device_memory_mb", "devices", "jax_version")},
             "failures": {point["dir"]: point["failures"] for point in points if point["failures"]},
             "every_point_failed": all(point["failures"] for point in points),
         }
@@ -319,6 +374,21 @@ def mean_or_none(values: list[float | None]) -> float | None:
     return float(np.mean(finite)) if finite else None
 
 
+CACHE_HITS = threading.local()  # per thread: the programs JAX loaded from its compilation cache
+
+
+def count_cache_hits(event: str, **unused: Any) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        CACHE_HITS.count = getattr(CACHE_HITS, "count", 0) + 1
+
+
+jax.monitoring.register_event_listener(count_cache_hits)
+
+
+def cache_hits_in_this_thread() -> int:
+    return getattr(CACHE_HITS, "count", 0)
+
+
 DEFAULT_COMPILATION_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ppo-jax" / "xla"
 COMPILATION_CACHE_MAX_BYTES = 4 * 2**30  # least recently used programs go first beyond this
 COMPILATION_CACHE_MIN_SECONDS = 0.2  # programs that compile faster are not worth a file
@@ -333,8 +403,12 @@ def use_compilation_cache(folder: str | None) -> None:
         jax.config.update("jax_enable_compilation_cache", False)
         return
     jax.config.update("jax_enable_compilation_cache", True)
-    if folder is None and jax.config.jax_compilation_cache_dir:  # $JAX_COMPILATION_CACHE_DIR, and its own settings
-        return
-    jax.config.update("jax_compilation_cache_dir", str(folder or DEFAULT_COMPILATION_CACHE))
-    jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_MAX_BYTES)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", COMPILATION_CACHE_MIN_SECONDS)
+    if folder is None and os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # the user's, with JAX's settings or theirs
+        folder = os.environ["JAX_COMPILATION_CACHE_DIR"]
+    else:
+        folder = folder or str(DEFAULT_COMPILATION_CACHE)
+        jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_MAX_BYTES)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", COMPILATION_CACHE_MIN_SECONDS)
+    if jax.config.jax_compilation_cache_dir != folder:
+        jax.config.update("jax_compilation_cache_dir", folder)
+        compilation_cache.reset_cache()  # JAX opens its cache folder once per process: again, at the new one

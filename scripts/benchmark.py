@@ -86,15 +86,14 @@ def run_config(script: str, flags: list[str], run_dir: Path, extra_flags: list[s
     return json.loads((run_dir / "summary.json").read_text())
 
 
-def machine_description() -> str:
-    import jax
+def machine_description(summary: dict) -> str:
+    """This machine, with the devices and JAX a run's summary.json names. This process never starts
+    a JAX backend itself: on a TPU only one process may hold the chip, and the runs need it."""
+    return f"{platform.node()} | {platform.processor() or platform.machine()} | {summary['devices']} | jax {summary['jax_version']}"
 
-    devices = jax.devices()
-    return f"{platform.node()} | {platform.processor() or platform.machine()} | {len(devices)} x {devices[0].device_kind} | jax {jax.__version__}"
 
-
-def best_row(script: str, name: str, flags: list[str], repeats: int) -> str:
-    """The markdown row of a config's best of `repeats` runs."""
+def best_row(script: str, name: str, flags: list[str], repeats: int) -> tuple[str, dict]:
+    """The markdown row of a config's best of `repeats` runs, and that run's summary."""
     summaries = []
     for _ in range(repeats):
         with tempfile.TemporaryDirectory() as folder:
@@ -110,13 +109,15 @@ def best_row(script: str, name: str, flags: list[str], repeats: int) -> str:
         f"| {name} | `{' '.join(flags) or '(defaults)'}` | {best['sps']:,.0f} | {best['compile_seconds']:.1f} | "
         f"{'-' if final is None else f'{final:.1f}'} | {best['peak_rss_mb']:.0f} | "
         f"{'-' if device_mb is None else f'{device_mb:,.0f}'} | {default_run_hours:.2f} h |"
-    )
+    ), best
 
 
-def against_row(script: str, name: str, flags: list[str], repeats: int, other: Path) -> str:
-    """The markdown row of a config run `repeats` rounds, this checkout and `other` in turn."""
+def against_row(script: str, name: str, flags: list[str], repeats: int, other: Path) -> tuple[str, dict]:
+    """The markdown row of a config run `repeats` rounds, this checkout and `other` in turn, and the
+    summary of this checkout's last run."""
     speeds: dict[str, list[float]] = {"this": [], "other": []}
     compiles: dict[str, list[float]] = {"this": [], "other": []}
+    summaries: dict[str, dict] = {}
     roots = [("this", ROOT), ("other", other)]
     for round_ in range(repeats):
         for label, root in roots[round_ % 2:] + roots[: round_ % 2]:  # the order turns each round
@@ -124,6 +125,7 @@ def against_row(script: str, name: str, flags: list[str], repeats: int, other: P
                 summary = run_config(script, flags, Path(folder) / "run", root=root)
             speeds[label].append(summary["sps"])
             compiles[label].append(summary["compile_seconds"])
+            summaries[label] = summary
         print(f"{name} round {round_ + 1}: this {speeds['this'][-1]:,.0f}, other {speeds['other'][-1]:,.0f} env steps/s",
               file=sys.stderr, flush=True)
     ratios = [this / other for this, other in zip(speeds["this"], speeds["other"])]
@@ -132,7 +134,7 @@ def against_row(script: str, name: str, flags: list[str], repeats: int, other: P
         f"| {name} | `{' '.join(flags) or '(defaults)'}` | {median['this']:,.0f} | {median['other']:,.0f} | "
         f"{statistics.median(ratios):.3f}x | {min(ratios):.3f}x-{max(ratios):.3f}x | "
         f"{statistics.median(compiles['this']):.1f} / {statistics.median(compiles['other']):.1f} |"
-    )
+    ), summaries["this"]
 
 
 def main() -> int:
@@ -158,15 +160,14 @@ def main() -> int:
     extra = [flag for flag in options.extra if flag != "--"]
 
     command = " ".join(["python scripts/benchmark.py", *sys.argv[1:]])
-    lines = [f"`{options.script}` on {machine_description()}, {datetime.date.today().isoformat()}: `{command}`", ""]
     if options.against is None:
-        lines += [
+        lines = [
             f"| config | flags | env steps/s (all seeds) | compile s | final return | peak RSS MB | peak device MB | "
             f"one seed's {DEFAULT_RUN_ENV_STEPS[options.script]:,} env steps at this rate |",
             "|---|---|---|---|---|---|---|---|",
         ]
     else:
-        lines += [
+        lines = [
             f"| config | flags | this checkout, median env steps/s | {options.against}, median env steps/s | "
             "this / that (median of rounds) | lowest-highest round | compile s (this / that) |",
             "|---|---|---|---|---|---|---|",
@@ -174,10 +175,12 @@ def main() -> int:
     for name in names:
         flags = CONFIGS[options.script][name] + extra
         if options.against is None:
-            lines.append(best_row(options.script, name, flags, options.repeats))
+            row, summary = best_row(options.script, name, flags, options.repeats)
         else:
-            lines.append(against_row(options.script, name, flags, options.repeats, options.against))
-        print(lines[-1], flush=True)
+            row, summary = against_row(options.script, name, flags, options.repeats, options.against)
+        lines.append(row)
+        print(row, flush=True)
+    lines[:0] = [f"`{options.script}` on {machine_description(summary)}, {datetime.date.today().isoformat()}: `{command}`", ""]
     table = "\n".join(lines)
     print("\n" + table)
     if options.out:

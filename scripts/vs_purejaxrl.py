@@ -183,8 +183,9 @@ def measure_purejaxrl(purejaxrl_dir: Path, num_seeds: int, num_total_env_steps: 
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def compiled_loops_rows(purejaxrl_dir: Path, seeds: list[int], repeats: int, num_total_env_steps: int) -> list[str]:
-    """PureJaxRL's programs are lowered first, with JAX's own threefry lowering as in a process of
+def compiled_loops_rows(purejaxrl_dir: Path, seeds: list[int], repeats: int, num_total_env_steps: int) -> tuple[list[str], str]:
+    """The rows, and the machine they were measured on (this process trains on its device).
+    PureJaxRL's programs are lowered first, with JAX's own threefry lowering as in a process of
     their own; then ours, with the CPU settings of its run(). Only XLA's scheduler flag, read once
     per process, is common to both."""
     import jax
@@ -201,7 +202,8 @@ def compiled_loops_rows(purejaxrl_dir: Path, seeds: list[int], repeats: int, num
         keys = jax.random.split(jax.random.PRNGKey(PUREJAXRL_SEED), num_seeds)
         theirs[num_seeds] = jax.jit(jax.vmap(ppo.make_train(dict(config)))).lower(keys).compile(), keys
     cpu.use_unrolled_threefry_on_cpu()  # from here on, for ours only
-    return [compiled_loops_row(ppo_mlp, *theirs[num_seeds], num_seeds, repeats, num_total_env_steps) for num_seeds in seeds]
+    rows = [compiled_loops_row(ppo_mlp, *theirs[num_seeds], num_seeds, repeats, num_total_env_steps) for num_seeds in seeds]
+    return rows, machine_description({"devices": ppo_mlp.devices.description(), "jax_version": jax.__version__})
 
 
 def compiled_loops_row(ppo_mlp: types.ModuleType, theirs, keys, num_seeds: int, repeats: int, num_total_env_steps: int) -> str:
@@ -242,7 +244,8 @@ def compiled_loops_row(ppo_mlp: types.ModuleType, theirs, keys, num_seeds: int, 
         with tempfile.TemporaryDirectory() as folder, contextlib.redirect_stdout(io.StringIO()):  # console lines kept out
             run_args = dataclasses.replace(args, run_dir=str(Path(folder) / "run"), compilation_cache_dir=str(Path(folder).parent / CACHE))
             session = ppo_mlp.sessions.Session(run_args, names)
-            session.train(train, session.restore(states), None, policy, env_params)
+            session.compile(train, init, None, policy, env_params)  # (loaded from the cache after round 0)
+            session.train(session.restore(states))
             return session.train_seconds
 
     timings = {"ours": [], "theirs": [], "logged": []}
@@ -295,12 +298,13 @@ def main() -> int:
         return 0
 
     if options.compiled_loops:
-        rows = compiled_loops_rows(options.purejaxrl_dir, options.seeds, options.repeats, options.num_total_env_steps)
         header = ["| seeds (vmapped) | ppo_mlp.py loop, median env steps/s | PureJaxRL loop, median env steps/s | "
                   "ours / theirs (median of rounds) | lowest-highest round | ppo_mlp.py loop with its logging and "
                   "checkpoints, median env steps/s | that / theirs (median of rounds) | its time / the loop's without "
                   "(median of rounds) |", "|---|---|---|---|---|---|---|---|"]
-        return print_table(options, "--compiled-loops ", f"{options.repeats} rounds, the programs in turn in one process", header, rows)
+        rows, machine = compiled_loops_rows(options.purejaxrl_dir, options.seeds, options.repeats, options.num_total_env_steps)
+        return print_table(options, "--compiled-loops ", f"{options.repeats} rounds, the programs in turn in one process",
+                           header, rows, machine)
 
     script, flags = ("ppo_lstm_impala.py", OURS_ON_PPO_RNN_CONFIG) if options.rnn else ("ppo_mlp.py", [])
     rows = []
@@ -323,13 +327,14 @@ def main() -> int:
             )
     header = [f"| seeds (vmapped) | {script} env steps/s | PureJaxRL {module}.py env steps/s | ours / theirs | "
               "compile s (ours / theirs) | final return (ours / theirs) |", "|---|---|---|---|---|---|"]
-    return print_table(options, "--rnn " if options.rnn else "", f"best of {options.repeats}, in turn", header, rows)
+    return print_table(options, "--rnn " if options.rnn else "", f"best of {options.repeats}, in turn", header, rows,
+                       machine_description(best_ours))
 
 
-def print_table(options: argparse.Namespace, mode_flag: str, how: str, header: list[str], rows: list[str]) -> int:
+def print_table(options: argparse.Namespace, mode_flag: str, how: str, header: list[str], rows: list[str], machine: str) -> int:
     """The markdown table, headed by the date, machine and command; also to --out."""
     lines = [
-        f"{datetime.date.today()} | {machine_description()} | `python scripts/vs_purejaxrl.py {mode_flag}--seeds "
+        f"{datetime.date.today()} | {machine} | `python scripts/vs_purejaxrl.py {mode_flag}--seeds "
         f"{' '.join(map(str, options.seeds))} --repeats {options.repeats} --num-total-env-steps "
         f"{options.num_total_env_steps}` ({how})",
         "",

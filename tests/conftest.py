@@ -12,9 +12,14 @@ for path in (str(ROOT), str(TESTS)):
 # Subprocess runs of the scripts find probe_envs and ppo_support the same way.
 os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), str(ROOT), os.environ.get("PYTHONPATH")]))
 
+# Every test of this session, in this process and in the processes it starts, shares one JAX
+# compilation cache (helpers.py): what one test compiled, the next one loads. Before JAX is imported.
+from helpers import TEST_XLA_FLAGS, use_the_sessions_compilation_cache  # noqa: E402
+
+use_the_sessions_compilation_cache()
+
 # In-process tests get the CPU setting that run() applies, before JAX starts its backend; every
 # test, in this process and in the processes it starts, compiles at LLVM -O1 (helpers.py).
-from helpers import TEST_XLA_FLAGS  # noqa: E402
 from ppo_support import cpu  # noqa: E402
 
 cpu.avoid_cpu_qr_deadlock()

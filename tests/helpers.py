@@ -11,6 +11,7 @@ import fcntl
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -20,6 +21,22 @@ ROOT = Path(__file__).resolve().parent.parent
 # every test and the processes they start; a test compares runs made under the same flags, so bits
 # may differ from an -O2 run's, never within a test.
 TEST_XLA_FLAGS = "--xla_backend_optimization_level=1"
+
+
+def use_the_sessions_compilation_cache() -> None:
+    """JAX's persistent compilation cache for this test session: one folder that the xdist workers
+    share (and no other session), each program cached however fast it compiled, and a size cap so
+    that JAX locks the folder while it writes. Through the environment, so that the scripts the
+    tests start use it too (the scripts keep $JAX_COMPILATION_CACHE_DIR when --compilation-cache-dir
+    is not given); set before JAX is imported."""
+    run_id = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if run_id is None:  # not an xdist worker: a folder of this process's own
+        folder = tempfile.mkdtemp(prefix="ppo-jax-test-compilation-cache-")
+    else:
+        folder = os.path.join(tempfile.gettempdir(), f"ppo-jax-test-compilation-cache-{run_id}")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = folder
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_COMPILATION_CACHE_MAX_SIZE"] = str(16 * 2**30)
 
 
 def xla_flags(*flags: str) -> str:
@@ -57,6 +74,12 @@ def run_script(
     is taken from the repo root ("ppo_mlp.py", "scripts/plot.py"), an absolute one as it is."""
     command = [sys.executable, str(ROOT / path_or_name), *arguments]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=cwd, env=env)
+
+
+def run_tool(tool: str, *arguments: str, timeout: float = 600, cwd: str | Path = ROOT) -> subprocess.CompletedProcess:
+    """run_script of a tool in scripts/ that starts runs, under tests/no_backend.py: it fails (exit
+    code 3) if its own process starts a JAX backend, which on a TPU would keep its runs off the chip."""
+    return run_script("tests/no_backend.py", str(ROOT / tool), *arguments, timeout=timeout, cwd=cwd)
 
 
 def read_wandb_offline_run(folder: str | Path) -> dict:

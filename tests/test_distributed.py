@@ -3,7 +3,7 @@ device each, joined by jax.distributed (gloo collectives), train as one 2-device
 
 Each test runs a script three ways: in one process on 2 simulated devices (the reference), in two
 processes until one of them is killed with SIGKILL after the first checkpoint, and in two
-processes resumed from that checkpoint. Each process runs under tests/audit_writes.py, which
+processes resumed from that checkpoint, stopped by Ctrl-C sent to one of them, and resumed again. Each process runs under tests/audit_writes.py, which
 reports every write under the test's folder."""
 
 from __future__ import annotations
@@ -103,7 +103,21 @@ def test_two_processes_train_as_two_devices_survive_a_lost_process_and_resume(tm
     if victim == 1:  # the survivor is process 0, which wrote; process 1 wrote nothing
         assert written(err) and not written(processes[1].stderr.read())
 
-    # Both resume from the checkpoint they wrote; the result equals the 2-device run's.
+    # Both resume from the checkpoint they wrote; once they train, Ctrl-C reaches process 1 alone:
+    # both stop at the same cycle, process 0 saves the run, both exit 130 (SIGINT's).
+    processes = start_processes(script, ["--resume", str(run_dir)], tmp_path)
+    for line in processes[0].stdout:  # process 0 prints
+        if line.startswith("cycle "):
+            break
+    processes[1].send_signal(signal.SIGINT)
+    stopped = finish(processes)
+    assert [code for code, _, _ in stopped] == [130, 130], [err[-2000:] for _, _, err in stopped]
+    cycle = json.loads((run_dir / "interrupted.json").read_text())["cycle"]
+    assert checkpoints(run_dir)[-1].name == f"checkpoint-{cycle}.npz" and not (run_dir / "summary.json").exists()
+    assert all(stopped_err.strip().splitlines()[-1].startswith(f"SIGINT: stopped at cycle {cycle}/")
+               for _, _, stopped_err in stopped)
+
+    # Resumed again, they end as the 2-device run did.
     resumed = finish(start_processes(script, ["--resume", str(run_dir)], tmp_path))
     for code, out, err in resumed:
         assert code == 0, err[-3000:]

@@ -166,6 +166,89 @@ def test_resume_after_sigkill_is_bit_identical_to_an_uninterrupted_run(tmp_path,
     assert again.wait(timeout=120) == 2 and "already finished" in again.stderr.read()
 
 
+# --- Ctrl-C and SIGTERM ----------------------------------------------------------------------
+
+
+def start_and_signal(script: str, flags: list[str], after: str, signal_number: int,
+                     env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """Starts a run and sends it the signal once it has printed a line that starts with `after`;
+    returns the process and what it printed until then."""
+    run = start(script, *flags, env=env)
+    printed = []
+    for line in run.stdout:
+        printed.append(line)
+        if line.startswith(after):
+            run.send_signal(signal_number)
+            return run, "".join(printed)
+    raise AssertionError(f"no line starting with {after!r}: {''.join(printed)}{run.stderr.read()}")
+
+
+def check_stopped_run(script: str, run: subprocess.Popen, run_dir: Path, signal_number: int, whole: Path) -> int:
+    """A run that a signal stopped while training: exit 128 + the signal, one line with the
+    --resume command, its checkpoint, metrics rows and params.msgpack up to the cycle it stopped
+    at, marked unfinished. Returns that cycle."""
+    out, err = run.communicate(timeout=600)
+    name = signal.Signals(signal_number).name
+    assert run.returncode == 128 + signal_number, err[-3000:]
+    assert "Traceback" not in err
+    marker = json.loads((run_dir / rundir.INTERRUPTED_FILE).read_text())
+    cycle = marker["cycle"]
+    command = f"python {script} --resume {run_dir}"
+    assert marker == {"cycle": cycle, "signal": name, "resume": command}
+    lines = err.strip().splitlines()
+    assert any(line.startswith(f"{name}: stopping at the end of the segment in flight") for line in lines), err
+    assert lines[-1].startswith(f"{name}: stopped at cycle {cycle}/") and lines[-1].endswith(f"Continue with: {command}")
+    assert not (run_dir / "summary.json").exists()
+    assert checkpoints(run_dir)[-1].name == f"checkpoint-{cycle}.npz"
+    assert metrics_without_timing(run_dir) == [row for row in metrics_without_timing(whole) if row["cycle"] <= cycle]
+    module = importlib.import_module(Path(script).stem)
+    _, params = module.load_params(run_dir)  # the checkpoint's params, as the run had them at that cycle
+    checkpoint = rundir.read_checkpoint(run_dir / f"checkpoint-{cycle}.npz")
+    for index, leaf in enumerate(jax.tree.leaves(params)):
+        np.testing.assert_array_equal(leaf, checkpoint[f"leaf_{index}"])
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import runs
+
+    assert not runs.is_finished(run_dir) and runs.read_run(run_dir).summary is None
+    return cycle
+
+
+@pytest.mark.parametrize("script, signal_number", [("ppo_mlp.py", signal.SIGINT), ("ppo_lstm_impala.py", signal.SIGTERM)])
+def test_a_signal_while_training_saves_the_run_and_resume_ends_bit_for_bit(tmp_path, script, signal_number, finished):
+    """Ctrl-C (SIGINT) or SIGTERM once training has begun: the run stops at the end of the segment
+    in flight and saves itself (check_stopped_run); --resume then ends bit for bit as the run
+    that was never stopped."""
+    whole = finished(script)
+    run_dir = tmp_path / "stopped"
+    run, _ = start_and_signal(script, [*SMALL[script], "--run-dir", str(run_dir)], "cycle ", signal_number)
+    cycle = check_stopped_run(script, run, run_dir, signal_number, whole)
+    resumed = start(script, "--resume", str(run_dir))
+    out, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    assert f"resuming {run_dir} from cycle {cycle}" in out
+    assert not (run_dir / rundir.INTERRUPTED_FILE).exists()
+    assert (run_dir / "params.msgpack").read_bytes() == (whole / "params.msgpack").read_bytes()
+    assert metrics_without_timing(run_dir) == metrics_without_timing(whole)
+    for path, reference in zip(checkpoints(run_dir), checkpoints(whole), strict=True):
+        assert path.read_bytes() == reference.read_bytes()
+
+
+def test_a_signal_while_compiling_writes_nothing_and_a_second_one_ends_the_process_at_once(tmp_path):
+    run_dir = tmp_path / "run"
+    flags = ["--num-total-env-steps", "2048", "--compilation-cache-dir", "off", "--run-dir", str(run_dir)]  # a real compile
+    run, _ = start_and_signal("ppo_mlp.py", flags, "compiling", signal.SIGINT)
+    out, err = run.communicate(timeout=600)
+    assert run.returncode == 130, err[-3000:]
+    assert err.strip().splitlines()[-1] == "SIGINT: stopped before training started; nothing was written"
+    assert not run_dir.exists() and "Traceback" not in err
+
+    run, _ = start_and_signal("ppo_mlp.py", flags, "compiling", signal.SIGTERM)
+    assert any("stopping once the program has compiled" in line for line in run.stderr)  # the first one is seen...
+    run.send_signal(signal.SIGINT)
+    assert run.wait(timeout=600) == -signal.SIGINT  # ...and the second ends the process at once, by its own action
+    assert not run_dir.exists()
+
+
 # Breakout-MinAtar on 2 simulated CPU devices, ppo_lstm_impala.py at its default LSTM size: the
 # configurations whose first checkpoint used to abort the process (an all-reduce timeout).
 TWO_DEVICES = {
@@ -173,13 +256,14 @@ TWO_DEVICES = {
                    "--num-env-steps-per-cycle", "32", "--num-total-env-steps", str(8 * 32 * 160), "--checkpoint-every-cycles", "20"],
     "ppo_lstm_impala.py": ["--env-id", "Breakout-MinAtar", "--num-devices", "2", "--num-parallel-envs", "8",
                            "--num-env-steps-per-cycle", "16", "--num-minibatches-per-epoch", "2",
-                           "--num-total-env-steps", str(8 * 16 * 12), "--checkpoint-every-cycles", "4"],
+                           "--num-total-env-steps", str(8 * 16 * 24), "--checkpoint-every-cycles", "4"],
 }
 TWO_CPU_DEVICES = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2")}
+TWO_DEVICES_SIGNAL = {"ppo_mlp.py": signal.SIGTERM, "ppo_lstm_impala.py": signal.SIGINT}  # the other one of each, above
 
 
 @pytest.mark.parametrize("script", sorted(TWO_DEVICES))
-def test_two_devices_checkpoint_and_resume_after_sigkill_bit_identically(tmp_path, script):
+def test_two_devices_checkpoint_resume_after_sigkill_and_a_stop_by_a_signal_bit_identically(tmp_path, script):
     whole_dir, killed_dir = tmp_path / "whole", tmp_path / "killed"
     whole = start(script, *TWO_DEVICES[script], "--run-dir", str(whole_dir), env=TWO_CPU_DEVICES)
     out, err = whole.communicate(timeout=600)
@@ -191,6 +275,11 @@ def test_two_devices_checkpoint_and_resume_after_sigkill_bit_identically(tmp_pat
     killed.send_signal(signal.SIGKILL)
     killed.wait()
     assert not (killed_dir / "summary.json").exists(), "killed too late: make the run longer"
+    # resumed, then stopped by a signal once it trains, and resumed again
+    signal_number = TWO_DEVICES_SIGNAL[script]
+    stopped, printed = start_and_signal(script, ["--resume", str(killed_dir)], "cycle ", signal_number, env=TWO_CPU_DEVICES)
+    assert "resuming" in printed
+    check_stopped_run(script, stopped, killed_dir, signal_number, whole_dir)
     resumed = start(script, "--resume", str(killed_dir), env=TWO_CPU_DEVICES)
     out, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err[-3000:]

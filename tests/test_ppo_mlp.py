@@ -380,6 +380,27 @@ def test_run_dir_holds_args_metrics_summary_and_loadable_params(tmp_path):
     assert not np.array_equal(leaves[0][0], leaves[0][1])
 
 
+def test_a_second_run_of_the_same_configuration_loads_its_train_program_from_the_compilation_cache(tmp_path):
+    """A fresh cache folder: the first run compiles the train program with XLA and keeps it; the
+    second (another run dir, the same configuration) loads it, in under a third of the time, and
+    trains the same."""
+    flags = ["--num-total-env-steps", "2048", "--compilation-cache-dir", str(tmp_path / "cache")]
+    runs = []
+    for name in ("first", "second"):
+        result = run_script(SCRIPT, *flags, "--run-dir", str(tmp_path / name))
+        assert result.returncode == 0, result.stderr
+        runs.append((result.stdout, json.loads((tmp_path / name / "summary.json").read_text())))
+    (first_out, first), (second_out, second) = runs
+    assert not first["program_from_cache"] and "the train program XLA compiled in" in first_out
+    assert second["program_from_cache"] and "the train program loaded from the compilation cache in" in second_out
+    assert second["program_compile_seconds"] < first["program_compile_seconds"] / 3
+    assert any(path.name.startswith("jit_segment-") for path in (tmp_path / "cache").iterdir())
+    assert (tmp_path / "second" / "params.msgpack").read_bytes() == (tmp_path / "first" / "params.msgpack").read_bytes()
+
+    off = run_script(SCRIPT, "--num-total-env-steps", "2048", "--compilation-cache-dir", "off", "--run-dir", str(tmp_path / "off"))
+    assert off.returncode == 0 and "the train program XLA compiled in" in off.stdout, off.stderr
+
+
 def test_log_every_cycles_writes_every_kth_cycle_and_the_last(tmp_path):
     result = run_script(SCRIPT, "--num-total-env-steps", "5120", "--log-every-cycles", "4", "--run-dir", str(tmp_path / "r"))
     assert result.returncode == 0, result.stderr

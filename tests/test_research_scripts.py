@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers import ROOT, run_script
+from helpers import ROOT, run_script, run_tool
 
 sys.path.insert(0, str(ROOT / "scripts"))
 from runs import differing_labels, load_module, load_script_for_run, metric_table, read_run, script_path_for_run  # noqa: E402
@@ -27,7 +27,7 @@ SWEEP_GRID = ["--num-parallel-envs", "4", "--num-env-steps-per-cycle", "32", "--
 @pytest.fixture(scope="module")
 def sweep_dir(tmp_path_factory) -> Path:
     out_dir = tmp_path_factory.mktemp("sweep") / "out"
-    result = run_script("scripts/sweep.py", "--script", "ppo_mlp.py", *SWEEP_GRID, "--out-dir", str(out_dir), "--", *TINY)
+    result = run_tool("scripts/sweep.py", "--script", "ppo_mlp.py", *SWEEP_GRID, "--out-dir", str(out_dir), "--", *TINY)
     assert result.returncode == 0, result.stderr
     return out_dir
 
@@ -56,7 +56,7 @@ def test_sweep_resume_skips_finished_runs_and_reruns_an_interrupted_one(sweep_di
     refused = run_script("scripts/sweep.py", "--script", "ppo_mlp.py", *SWEEP_GRID, "--out-dir", str(sweep_dir), "--", *TINY)
     assert refused.returncode == 2 and "--resume" in refused.stderr
 
-    result = run_script("scripts/sweep.py", "--script", "ppo_mlp.py", *SWEEP_GRID, "--out-dir", str(sweep_dir), "--resume",
+    result = run_tool("scripts/sweep.py", "--script", "ppo_mlp.py", *SWEEP_GRID, "--out-dir", str(sweep_dir), "--resume",
                         "--", *TINY)
     assert result.returncode == 0, result.stderr
     assert "envs4_steps32_mb1_ep4 (resumed)" in result.stdout
@@ -142,7 +142,7 @@ def test_ablate_flips_normalisation_sticky_actions_and_the_torso_where_the_scrip
 
 def test_ablate_table_has_the_baseline_and_the_flipped_details(tmp_path):
     out_dir = tmp_path / "ablation"
-    result = run_script("scripts/ablate.py", "--script", "ppo_mlp.py", "--env-id", "CartPole-v1", "--num-seeds", "2",
+    result = run_tool("scripts/ablate.py", "--script", "ppo_mlp.py", "--env-id", "CartPole-v1", "--num-seeds", "2",
                         "--out-dir", str(out_dir), "--details", "norm-adv", "clip-eps", "frame-stack", "norm-obs",
                         "--", "--num-total-env-steps", "256", "--num-env-steps-per-cycle", "32")
     assert result.returncode == 0, result.stderr

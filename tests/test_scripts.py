@@ -5,14 +5,14 @@ from __future__ import annotations
 import re
 
 import pytest
-from helpers import ROOT, run_script
+from helpers import ROOT, run_script, run_tool
 
 from ppo_support import cli
 
 
 def test_benchmark_prints_a_markdown_row_per_config(tmp_path):
     out = tmp_path / "bench.md"
-    result = run_script(
+    result = run_tool(  # (it fails if its own process takes the device, which its runs need on a TPU)
         "scripts/benchmark.py", "--script", "ppo_mlp.py", "--configs", "cartpole", "cartpole-8-seeds", "--out", str(out),
         "--", "--num-total-env-steps", "2048", timeout=300,
     )
@@ -21,6 +21,7 @@ def test_benchmark_prints_a_markdown_row_per_config(tmp_path):
     assert len(rows) == 2
     assert rows[1].startswith("| cartpole-8-seeds | `--num-seeds 8 --num-total-env-steps 2048`")
     assert all(row.endswith(" h |") and row.count("|") == 9 for row in rows)  # ... | peak device MB | default run |
+    assert " | 1 x cpu | jax " in out.read_text().splitlines()[0]  # the devices its runs trained on
 
 
 def test_benchmark_rejects_an_unknown_config():
@@ -34,7 +35,7 @@ def test_benchmark_against_another_checkout_alternates_rounds_and_gives_their_ra
     """Here the other checkout is this one: the row has both medians, the median ratio and the
     lowest and highest round's."""
     out = tmp_path / "ab.md"
-    result = run_script(
+    result = run_tool(
         "scripts/benchmark.py", "--script", "ppo_mlp.py", "--configs", "cartpole", "--repeats", "2", "--against", str(ROOT),
         "--out", str(out), "--", "--num-total-env-steps", "2048", timeout=300,
     )
@@ -94,7 +95,7 @@ def fake_purejaxrl_checkout(tmp_path):
 
 def test_vs_purejaxrl_runs_both_and_prints_their_row(tmp_path, fake_purejaxrl_checkout):
     out = tmp_path / "vs.md"
-    result = run_script(
+    result = run_tool(
         "scripts/vs_purejaxrl.py", "--purejaxrl-dir", str(fake_purejaxrl_checkout), "--seeds", "2", "--repeats", "1",
         "--num-total-env-steps", "2048", "--out", str(out), timeout=300,
     )
@@ -111,7 +112,7 @@ def test_vs_purejaxrl_runs_both_and_prints_their_row(tmp_path, fake_purejaxrl_ch
 def test_vs_purejaxrl_rnn_runs_ppo_rnn_against_the_lstm_script(tmp_path, fake_purejaxrl_checkout):
     """--rnn: ppo_lstm_impala.py on ppo_rnn.py's config (its own row header), against the
     checkout's ppo_rnn.py (upstream's "metric" key, its wrappers imported as `wrappers`)."""
-    result = run_script(
+    result = run_tool(
         "scripts/vs_purejaxrl.py", "--purejaxrl-dir", str(fake_purejaxrl_checkout), "--rnn", "--seeds", "1",
         "--repeats", "1", "--num-total-env-steps", "1024", timeout=300,
     )
@@ -139,6 +140,24 @@ def test_vs_purejaxrl_compiled_loops_prints_a_median_ratio_within_its_rounds(fak
     assert logged_over_theirs >= 0 and logging_cost > 0  # the stand-in is far faster than ours: 0.00x
     table_lines = [line for line in result.stdout.splitlines() if line.startswith("|") or "vs_purejaxrl.py" in line]
     assert len(table_lines) == len(result.stdout.strip().splitlines()) - 1  # and one blank line: no console lines
+
+
+def test_bench_sweep_times_the_sweep_in_one_process_against_a_process_per_point(tmp_path):
+    out = tmp_path / "sweep.md"
+    result = run_tool("scripts/bench_sweep.py", "--script", "ppo_mlp.py", "--sweep", "lr=1e-3,3e-4", "--out", str(out),
+                      "--", "--num-total-env-steps", "2048", timeout=600)
+    assert result.returncode == 0, result.stderr
+    rows = [line for line in out.read_text().splitlines() if line.startswith("| ")]
+    assert [row.split(" | ")[0] for row in rows[1:]] == ["| `--sweep`, one process", "| 2 processes in a row", "| ratio"]
+
+
+def test_the_guard_fails_a_tool_that_takes_the_device_itself(tmp_path):
+    """tests/no_backend.py, which the tool tests run under, can fail."""
+    tool = tmp_path / "greedy_tool.py"
+    tool.write_text("import jax\nprint('importing JAX is fine')\njax.devices()\nprint('never printed')\n")
+    result = run_tool(str(tool))
+    assert result.returncode == 3 and result.stdout == "importing JAX is fine\n"
+    assert result.stderr == f"error: {tool} started a JAX backend in its own process\n"
 
 
 def test_vs_purejaxrl_refuses_a_folder_without_purejaxrl(tmp_path):

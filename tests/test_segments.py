@@ -1,0 +1,122 @@
+"""The train loop as the host drives it (ppo_support/segments.py): one compiled program called for
+a runtime number of cycles, again and again. Cut into any segments, a run trains bit for bit as in
+one call; the host loop covers every cycle once, ends a segment on every cycle it must see, runs
+after_segment in order, and stops every later segment once any process asks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ppo_lstm_impala
+import ppo_mlp
+from ppo_support import devices, envs, segments, sessions
+
+TINY = {  # 11 cycles of 2 seeds, with what the states carry besides the params: evaluation, statistics, an LSTM
+    "ppo_mlp": dict(env_id="probe_envs:ActionDependentReward", num_parallel_envs=4, num_env_steps_per_cycle=16,
+                    num_total_env_steps=11 * 64, num_seeds=2, norm_obs=True, norm_reward=True, eval_every_cycles=3,
+                    eval_episodes=2),
+    "ppo_lstm_impala": dict(env_id="probe_envs:Memory", impala_channels=(4,), torso_size=16, lstm_size=8, num_parallel_envs=4,
+                            num_env_steps_per_cycle=12, num_minibatches_per_epoch=2, num_epochs_per_cycle=2,
+                            num_total_env_steps=11 * 48, num_seeds=2, prev_action_reward=True, eval_every_cycles=3,
+                            eval_episodes=2),
+}
+MODULES = {"ppo_mlp": ppo_mlp, "ppo_lstm_impala": ppo_lstm_impala}
+
+
+def no_reports() -> np.ndarray:
+    return segments.host_reports(segments.HostReport(0.0, 0.0), None)
+
+
+@pytest.mark.parametrize("name", sorted(TINY))
+def test_a_run_cut_into_any_segments_trains_bit_for_bit_as_in_one_call(name):
+    """The learning rate, the keys, the NaN guard and the evaluation come from the states alone:
+    segments of 1, 4, 5 and 1 cycles through the run's program give the params, every state leaf
+    and every metric of one call of all 11 cycles, byte for byte; NaN rows after a segment's last."""
+    module = MODULES[name]
+    args = module.Args(**TINY[name])
+    env, env_params = envs.make_env(args.env_id)
+    init, train = module.make_train(args, env, env_params)
+    states = jax.tree.map(sessions.strongly_typed, devices.stack_seeds([init(args.seed + i) for i in range(args.num_seeds)]))
+    program = segments.make_program(train, args.num_cycles, None)
+
+    whole, whole_metrics, _ = program(states, np.int32(args.num_cycles), no_reports())
+    cut, rows = states, []
+    for length in (1, 4, 5, 1):
+        cut, metrics, agreed = program(cut, np.int32(length), no_reports())
+        assert np.all(np.isnan(np.asarray(metrics["charts/learning_rate"])[length:]))
+        rows.append({key: np.asarray(value)[:length] for key, value in metrics.items()})
+        assert np.asarray(agreed).tolist() == [0.0, 0.0]
+    assert int(cut.cycle[0]) == args.num_cycles
+    for whole_leaf, cut_leaf in zip(jax.tree.leaves(whole), jax.tree.leaves(cut), strict=True):
+        np.testing.assert_array_equal(jax.random.key_data(whole_leaf) if jnp.issubdtype(whole_leaf.dtype, jax.dtypes.prng_key)
+                                      else whole_leaf, jax.random.key_data(cut_leaf) if jnp.issubdtype(cut_leaf.dtype, jax.dtypes.prng_key)
+                                      else cut_leaf)
+    for key, values in whole_metrics.items():
+        np.testing.assert_array_equal(np.asarray(values), np.concatenate([row[key] for row in rows]), err_msg=key)
+    assert np.isfinite(np.asarray(whole_metrics["eval/episodic_return"])[[2, 5, 8, 10]]).all()
+
+    # A stop requested by any process: no cycle runs, and every process reads the largest request.
+    reports = np.asarray([[0.0, 0.5], [15.0, 0.25]], np.float32)
+    stopped, metrics, agreed = program(cut, np.int32(3), reports)
+    assert int(stopped.cycle[0]) == args.num_cycles and np.asarray(agreed).tolist() == [15.0, 0.5]
+    assert np.all(np.isnan(np.asarray(metrics["charts/learning_rate"])))
+
+
+class FakeProgram:
+    """A program of a counter: states (runs,) int32 count the cycles run, a metric per cycle holds
+    its cycle number; it records each call's cycles and report."""
+
+    def __init__(self, max_cycles: int):
+        self.max_cycles, self.calls = max_cycles, []
+
+    def __call__(self, states, num_cycles, reports):
+        agreed = np.asarray(reports).max(axis=0)
+        ran = 0 if agreed[0] > 0 else int(num_cycles)
+        assert 0 < int(num_cycles) <= self.max_cycles
+        self.calls.append((int(states.cycle[0]), ran, agreed.tolist()))
+        rows = np.full((self.max_cycles, 1), np.nan, np.float32)
+        rows[:ran, 0] = np.arange(int(states.cycle[0]) + 1, int(states.cycle[0]) + ran + 1)
+        return Counter(states.cycle + ran), {"cycle": jnp.asarray(rows)}, jnp.asarray(agreed)
+
+
+@dataclasses.dataclass
+class Counter:
+    cycle: jax.Array
+
+
+def test_the_host_loop_covers_every_cycle_once_ends_on_every_cycle_it_must_and_stops_on_a_request(monkeypatch):
+    monkeypatch.setattr(segments, "SEGMENT_SECONDS", 1e9)  # segments grow to max_cycles, and are cut where they must be
+    num_cycles, max_cycles = 50, 4
+    program = FakeProgram(max_cycles)
+    seen = []
+    must_end = lambda cycle: cycle % 7 == 0 or cycle == 20  # noqa: E731
+    states, stop = segments.run(program, Counter(jnp.full(1, 3, jnp.int32)), 3, num_cycles, must_end, max_cycles, None,
+                                segments.StopRequests(), seen.append)
+    assert stop == 0 and int(states.cycle[0]) == num_cycles
+    assert [cycle for segment in seen for cycle in segment.metrics["cycle"][:, 0].tolist()] == list(range(4, num_cycles + 1))
+    ends = [segment.last_cycle for segment in seen]
+    assert all(cycle in ends for cycle in (7, 14, 20, 21, 28, 35, 42, 49, 50))
+    assert max(segment.last_cycle - segment.first_cycle for segment in seen) == max_cycles  # they grew
+    assert all(segment.first_cycle == previous.last_cycle for previous, segment in zip(seen, seen[1:]))
+
+    # A stop request after the third segment: what was dispatched goes on; the next dispatch and
+    # every later one run no cycle, after_segment sees none of them, and run() returns the signal.
+    program, seen, requests = FakeProgram(max_cycles), [], segments.StopRequests()
+
+    def after_segment(segment):
+        seen.append(segment)
+        if len(seen) == 3:
+            requests.signal_number = 15
+
+    states, stop = segments.run(program, Counter(jnp.zeros(1, jnp.int32)), 0, num_cycles, must_end, max_cycles, None,
+                                requests, after_segment)
+    assert stop == 15 and int(states.cycle[0]) == seen[-1].last_cycle < num_cycles
+    assert len(seen) in (3, 4)  # the segment dispatched before the request, if there was one, still ran
+    first_stopped = next(index for index, (_, ran, _) in enumerate(program.calls) if ran == 0)
+    assert all(ran == 0 for _, ran, _ in program.calls[first_stopped:])
+    assert [agreed[0] for _, _, agreed in program.calls[first_stopped:]] == [15.0] * (len(program.calls) - first_stopped)
