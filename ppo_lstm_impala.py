@@ -21,7 +21,7 @@ import dataclasses
 import math
 import sys
 from pathlib import Path
-from typing import Any, Callable, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import flax.linen as nn
 from flax import traverse_util
@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 
 try:
-    from ppo_support import cli, cpu, devices, envs, evaluation, logs, nan_guard, rundir, sessions, sweeps
+    from ppo_support import cli, cpu, devices, envs, evaluation, nan_guard, rundir, sessions, sweeps
 except ModuleNotFoundError as missing:  # a copy of this file away from the repository
     if missing.name != "ppo_support":
         raise

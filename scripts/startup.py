@@ -23,7 +23,6 @@ Timings are not asserted anywhere: this is for docs/performance.md.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import sys

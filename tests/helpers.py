@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
+import signal
 import os
 import subprocess
 import sys
@@ -80,6 +82,79 @@ def run_tool(tool: str, *arguments: str, timeout: float = 600, cwd: str | Path =
     """run_script of a tool in scripts/ that starts runs, under tests/no_backend.py: it fails (exit
     code 3) if its own process starts a JAX backend, which on a TPU would keep its runs off the chip."""
     return run_script("tests/no_backend.py", str(ROOT / tool), *arguments, timeout=timeout, cwd=cwd)
+
+
+# --- runs of the scripts, stopped by signals ---------------------------------------------------
+
+
+def start(script: str, *flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, str(ROOT / script), *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env)
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """The run dir's checkpoints, oldest first."""
+    return sorted(run_dir.glob("checkpoint-*.npz"), key=lambda path: int(path.stem.split("-")[1]))
+
+
+def metrics_without_timing(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for row in rows:
+        row.pop("charts/SPS")  # host wall-clock: the only field that may differ
+    return rows
+
+
+def start_and_signal(script: str, flags: list[str], after: str, signal_number: int,
+                     env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+    """Starts a run and sends it the signal once it has printed a line that starts with `after`;
+    returns the process and what it printed until then."""
+    run = start(script, *flags, env=env)
+    printed = []
+    for line in run.stdout:
+        printed.append(line)
+        if line.startswith(after):
+            run.send_signal(signal_number)
+            return run, "".join(printed)
+    raise AssertionError(f"no line starting with {after!r}: {''.join(printed)}{run.stderr.read()}")
+
+
+def check_stopped_run(script: str, run: subprocess.Popen, run_dir: Path, signal_number: int, whole: Path,
+                      load_params: bool = True) -> int:
+    """A run that a signal stopped while training: exit 128 + the signal, one line with the
+    --resume command, its checkpoint, metrics rows and params.msgpack up to the cycle it stopped
+    at (checked by loading them when load_params), marked unfinished. Returns that cycle."""
+    from ppo_support import rundir
+
+    out, err = run.communicate(timeout=600)
+    name = signal.Signals(signal_number).name
+    assert run.returncode == 128 + signal_number, err[-3000:]
+    assert "Traceback" not in err
+    marker = json.loads((run_dir / rundir.INTERRUPTED_FILE).read_text())
+    cycle = marker["cycle"]
+    command = f"python {script} --resume {run_dir}"
+    assert marker == {"cycle": cycle, "signal": name, "resume": command}
+    lines = err.strip().splitlines()
+    assert any(line.startswith(f"{name}: stopping at the end of the segment in flight") for line in lines), err
+    assert lines[-1].startswith(f"{name}: stopped at cycle {cycle}/") and lines[-1].endswith(f"Continue with: {command}")
+    assert not (run_dir / "summary.json").exists()
+    assert checkpoints(run_dir)[-1].name == f"checkpoint-{cycle}.npz"
+    assert metrics_without_timing(run_dir) == [row for row in metrics_without_timing(whole) if row["cycle"] <= cycle]
+    if load_params:  # (it computes in this process)
+        import importlib
+
+        import jax
+        import numpy as np
+
+        module = importlib.import_module(Path(script).stem)
+        _, params = module.load_params(run_dir)  # the checkpoint's params, as the run had them at that cycle
+        checkpoint = rundir.read_checkpoint(run_dir / f"checkpoint-{cycle}.npz")
+        for index, leaf in enumerate(jax.tree.leaves(params)):
+            np.testing.assert_array_equal(leaf, checkpoint[f"leaf_{index}"])
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import runs
+
+    assert not runs.is_finished(run_dir) and runs.read_run(run_dir).summary is None
+    return cycle
 
 
 def read_wandb_offline_run(folder: str | Path) -> dict:

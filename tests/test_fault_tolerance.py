@@ -13,7 +13,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,7 +22,8 @@ import pytest
 
 import ppo_mlp
 import probe_envs
-from helpers import ROOT, exclusive, shared_folder, xla_flags
+from helpers import (check_stopped_run, checkpoints, exclusive, metrics_without_timing, shared_folder, start,
+                     start_and_signal, xla_flags)
 from ppo_support import errors, logs, rundir
 
 SMALL = {
@@ -53,11 +53,6 @@ class NonFiniteRewardImage(probe_envs.NonFiniteReward):
     obs_shape = (3, 3, 1)
 
 
-def start(script: str, *flags: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, str(ROOT / script), *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
-
-
 @pytest.fixture(scope="session")
 def finished(tmp_path_factory):
     """finished(script) -> the run dir of one uninterrupted SMALL run of that script, made once per
@@ -75,11 +70,6 @@ def finished(tmp_path_factory):
         return run_dir
 
     return finished_run
-
-
-def checkpoints(run_dir: Path) -> list[Path]:
-    """The run dir's checkpoints, oldest first."""
-    return sorted(run_dir.glob("checkpoint-*.npz"), key=lambda path: int(path.stem.split("-")[1]))
 
 
 def wait_for_checkpoints(run: subprocess.Popen, run_dir: Path, count: int = 1) -> None:
@@ -106,13 +96,6 @@ def unfinished_copy_without_checkpoints(run_dir: Path, to: Path) -> Path:
 
 def file_hashes(run_dir: Path) -> dict[str, str]:
     return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(run_dir.iterdir())}
-
-
-def metrics_without_timing(run_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    for row in rows:
-        row.pop("charts/SPS")  # host wall-clock: the only field that may differ
-    return rows
 
 
 @pytest.mark.parametrize("script", sorted(SMALL))
@@ -167,50 +150,6 @@ def test_resume_after_sigkill_is_bit_identical_to_an_uninterrupted_run(tmp_path,
 
 
 # --- Ctrl-C and SIGTERM ----------------------------------------------------------------------
-
-
-def start_and_signal(script: str, flags: list[str], after: str, signal_number: int,
-                     env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
-    """Starts a run and sends it the signal once it has printed a line that starts with `after`;
-    returns the process and what it printed until then."""
-    run = start(script, *flags, env=env)
-    printed = []
-    for line in run.stdout:
-        printed.append(line)
-        if line.startswith(after):
-            run.send_signal(signal_number)
-            return run, "".join(printed)
-    raise AssertionError(f"no line starting with {after!r}: {''.join(printed)}{run.stderr.read()}")
-
-
-def check_stopped_run(script: str, run: subprocess.Popen, run_dir: Path, signal_number: int, whole: Path) -> int:
-    """A run that a signal stopped while training: exit 128 + the signal, one line with the
-    --resume command, its checkpoint, metrics rows and params.msgpack up to the cycle it stopped
-    at, marked unfinished. Returns that cycle."""
-    out, err = run.communicate(timeout=600)
-    name = signal.Signals(signal_number).name
-    assert run.returncode == 128 + signal_number, err[-3000:]
-    assert "Traceback" not in err
-    marker = json.loads((run_dir / rundir.INTERRUPTED_FILE).read_text())
-    cycle = marker["cycle"]
-    command = f"python {script} --resume {run_dir}"
-    assert marker == {"cycle": cycle, "signal": name, "resume": command}
-    lines = err.strip().splitlines()
-    assert any(line.startswith(f"{name}: stopping at the end of the segment in flight") for line in lines), err
-    assert lines[-1].startswith(f"{name}: stopped at cycle {cycle}/") and lines[-1].endswith(f"Continue with: {command}")
-    assert not (run_dir / "summary.json").exists()
-    assert checkpoints(run_dir)[-1].name == f"checkpoint-{cycle}.npz"
-    assert metrics_without_timing(run_dir) == [row for row in metrics_without_timing(whole) if row["cycle"] <= cycle]
-    module = importlib.import_module(Path(script).stem)
-    _, params = module.load_params(run_dir)  # the checkpoint's params, as the run had them at that cycle
-    checkpoint = rundir.read_checkpoint(run_dir / f"checkpoint-{cycle}.npz")
-    for index, leaf in enumerate(jax.tree.leaves(params)):
-        np.testing.assert_array_equal(leaf, checkpoint[f"leaf_{index}"])
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import runs
-
-    assert not runs.is_finished(run_dir) and runs.read_run(run_dir).summary is None
-    return cycle
 
 
 @pytest.mark.parametrize("script, signal_number", [("ppo_mlp.py", signal.SIGINT), ("ppo_lstm_impala.py", signal.SIGTERM)])
