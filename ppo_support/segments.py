@@ -168,8 +168,8 @@ def local_copy(tree: Any) -> Any:
 
 
 class Background:
-    """function() on a daemon thread of its own (a compile: XLA works without the GIL), and its
-    wait in short sleeps, so that a signal's Python handler runs at once."""
+    """function() on a daemon thread of its own (a compile: XLA works without the GIL). wait()
+    waits on the thread's lock, which lets a signal's Python handler run at once."""
 
     def __init__(self, function: Callable[[], None]):
         self.error: BaseException | None = None
@@ -184,16 +184,16 @@ class Background:
         self.thread.start()
 
     def wait(self) -> None:
-        while self.thread.is_alive():
-            self.thread.join(0.01)
+        self.thread.join()
         if self.error is not None:
             raise self.error
 
 
 def wait_until_ready(array: jax.Array) -> None:
-    """Waits for a computation in short sleeps, so that a signal's Python handler runs at once."""
-    while not array.is_ready():
-        time.sleep(0.001)
+    """Waits for a computation on a thread of its own: the main thread then waits on a lock, which
+    a signal interrupts to run its Python handler at once (it would wait for the device to finish
+    inside JAX's own wait)."""
+    Background(array.block_until_ready).wait()
 
 
 def run(

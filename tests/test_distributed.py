@@ -103,11 +103,11 @@ def test_two_processes_train_as_two_devices_survive_a_lost_process_and_resume(tm
     if victim == 1:  # the survivor is process 0, which wrote; process 1 wrote nothing
         assert written(err) and not written(processes[1].stderr.read())
 
-    # Both resume from the checkpoint they wrote; once they train, Ctrl-C reaches process 1 alone:
-    # both stop at the same cycle, process 0 saves the run, both exit 130 (SIGINT's).
+    # Both resume from the checkpoint they wrote; as training starts, Ctrl-C reaches process 1
+    # alone: both stop at the same cycle, process 0 saves the run, both exit 130 (SIGINT's).
     processes = start_processes(script, ["--resume", str(run_dir)], tmp_path)
-    for line in processes[0].stdout:  # process 0 prints
-        if line.startswith("cycle "):
+    for line in processes[0].stdout:  # process 0 prints; both have compiled, and their signals are the run's
+        if line.startswith("run dir:"):
             break
     processes[1].send_signal(signal.SIGINT)
     stopped = finish(processes)
