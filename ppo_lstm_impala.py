@@ -1110,9 +1110,8 @@ def run(args: Args) -> dict[str, Any]:
     mesh = devices.make_mesh(args, args.sequence_length)
     session = sessions.Session(args, run_metric_names(env, env_params))  # checks --run-dir or --resume
     init, train = make_train(args, env, env_params, mesh)
-    cpu.use_unrolled_threefry_on_cpu()  # for the train program (init gives the same bits)
     policy = make_evaluation(make_network(args, env.action_space(env_params).n), env, env_params, args)  # --capture-video's
-    session.compile(train, init, mesh, policy, env_params)  # in the background, while the seeds are initialised
+    session.compile(train, init, mesh, policy, env_params)  # on a thread of its own
     states = session.restore(devices.on_host_cpu(lambda: devices.stack_seeds([init(args.seed + i) for i in range(args.num_seeds)])))
     if args.lstm_training == "stored":  # T * N * carry_size float32s per seed, said before they are spent
         print(f"--lstm-training stored keeps {args.batch_size * args.carry_size * 4 / 2**20:.1f} MiB of LSTM carries "

@@ -8,11 +8,12 @@ imports a script.
     cpu         CPU settings: XLA flags, the unrolled PRNG, the 3x3 convolution
     devices     seeds (vmap), devices (shard_map), reductions across them
     envs        gymnax, Craftax and XLand-MiniGrid ids, their adapters, sticky actions
-    errors      the two errors `cli.main` turns into exit codes
+    errors      the errors `cli.main` turns into exit codes
     evaluation  playing evaluation episodes inside the jit, with a script's policy step
-    logs        metrics rows out of the jit: metrics.jsonl, the console line, wandb
+    logs        the host's writing thread: metrics.jsonl, the console line, wandb
     nan_guard   a seed whose update is not finite keeps its last good parameters
     rundir      the run dir: args.json, checkpoints, resume, params and summary
+    segments    the train program run in segments: dispatched ahead, Ctrl-C and SIGTERM
     sessions    one training session: the run dir opened, the program compiled, trained, saved
     sweeps      --sweep: a grid of hyper-parameters in the seeds' vmap, each point a run of its own
     videos      GIFs of evaluation episodes

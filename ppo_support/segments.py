@@ -131,7 +131,7 @@ class Segment(NamedTuple):
 
 
 class Dispatched(NamedTuple):
-    outputs: tuple[Any, Any, Any]  # the program's (states, metrics, stop), still computing
+    outputs: tuple[Any, Any, Any]  # the program's (states, metrics, agreed), still computing
     first_cycle: int
     last_cycle: int  # if it runs in full
     dispatch_time: float

@@ -9,7 +9,6 @@ params.msgpack, for --resume. Bad input and compile errors leave nothing written
 from __future__ import annotations
 
 import json
-import os
 import resource
 import sys
 import threading
@@ -19,12 +18,12 @@ from typing import Any, Callable
 
 import flax.serialization
 import jax
-from jax.experimental.compilation_cache import compilation_cache
 import jax.numpy as jnp
 import numpy as np
 
-from . import devices, evaluation, logs, nan_guard, rundir, segments, sweeps, videos
+from . import compilation, cpu, devices, evaluation, logs, nan_guard, rundir, segments, sweeps, videos
 from .errors import ConfigError, Interrupted
+
 
 class Session:
     """Created before anything is compiled: checks --run-dir or --resume (and reads the checkpoint
@@ -44,7 +43,7 @@ class Session:
             if any((self.path / folder / "metrics.jsonl").exists() for folder in folders):
                 raise ConfigError(f"--run-dir {self.path} already holds a run; choose another folder, or --resume it")
             self.checkpointer = rundir.Checkpointer(self.path, args.keep_checkpoints)
-        use_compilation_cache(args.compilation_cache_dir)
+        compilation.use_cache(args.compilation_cache_dir)
         # Each run of metrics.jsonl and summary.json, as (its args, its folder): the run, or each point of a sweep.
         self.points = [(args, self.path)] if self.grid is None else [
             (sweeps.host_point_args(args, self.grid, index, self.path), sweeps.point_dir(self.path, index))
@@ -66,6 +65,7 @@ class Session:
         self.video: Callable | None = None  # --capture-video: the compiled program that plays a video's episode
         self.video_recorder: videos.VideoRecorder | None = None
         self.compiling: segments.Background | None = None
+        self.initialised = threading.Event()  # the seeds' init has run (restore)
         self.mesh: jax.sharding.Mesh | None = None
         self.max_cycles = 1
         self.training = False  # the program runs
@@ -77,10 +77,13 @@ class Session:
     def compile(self, train: Callable, init: Callable, mesh: jax.sharding.Mesh | None = None,
                 policy: evaluation.Policy | None = None, env_params: Any = None) -> None:
         """Starts compiling the train program (segments.make_program of the script's make_train
-        train) on a thread of its own, at the shapes the seeds' init(seed) gives, so that XLA
-        compiles it while the seeds are initialised (docs/performance.md). policy and env_params:
-        the script's (make_evaluation), for --capture-video. From here on Ctrl-C and SIGTERM are
-        the run's: before training starts, one ends it with nothing written."""
+        train) on a thread of its own, at the shapes the seeds' init(seed) gives. On an
+        accelerator XLA compiles it while the seeds are initialised on the host's CPU
+        (devices.on_host_cpu); on a CPU, once they are (`restore`), with the unrolled threefry
+        (cpu.use_unrolled_threefry_on_cpu): there the two compiles would share the same cores, and
+        init compiles faster without it (docs/performance.md). policy and env_params: the
+        script's (make_evaluation), for --capture-video. From here on Ctrl-C and SIGTERM are the
+        run's: before training starts, one ends it with nothing written."""
         args = self.args
         self.video_recorder = videos.make_video_recorder(args, env_params, self.path, self.logger)
         seeds = [args.seed + i for i in range(args.num_seeds)]
@@ -92,12 +95,17 @@ class Session:
         if self.writes:
             print(f"compiling the train program{'' if mesh is None else f' for {mesh.size} devices'}...", flush=True)
 
+        on_cpu = jax.default_backend() == "cpu"
+
         def compile_programs() -> None:
+            if on_cpu:
+                self.initialised.wait()
+                cpu.use_unrolled_threefry_on_cpu()
             lowered = segments.make_program(train, self.max_cycles, mesh).lower(*segments.program_inputs(shapes, mesh))
-            start, hits = time.perf_counter(), cache_hits_in_this_thread()
+            start, hits = time.perf_counter(), compilation.cache_hits_in_this_thread()
             self.program = lowered.compile()
             self.program_compile_seconds = time.perf_counter() - start
-            self.program_from_cache = cache_hits_in_this_thread() > hits
+            self.program_from_cache = compilation.cache_hits_in_this_thread() > hits
             if self.video_recorder is not None:
                 self.video = jax.jit(lambda states: evaluation.record_video(policy, states, args)).lower(shapes).compile()
 
@@ -109,6 +117,7 @@ class Session:
 
     def restore(self, states: Any) -> Any:
         """fresh_states of the seeds' `states`; with --resume, the checkpoint's states in their place."""
+        self.initialised.set()
         try:
             states = self.fresh_states(states)
             if self.args.resume:
@@ -125,7 +134,7 @@ class Session:
         Returns the final states (with --distributed, gathered whole in every process)."""
         args, mesh = self.args, self.mesh
         try:
-            self.compiling.wait()  # in short sleeps: a signal is seen at once
+            self.compiling.wait()  # on a lock that a signal interrupts: Ctrl-C is seen at once
             self.compile_seconds = time.perf_counter() - self.start_time
             if self.stop_requests.signal_number and jax.process_count() == 1:  # (--distributed: stopped by every process)
                 raise Interrupted(f"{segments.signal_name(self.stop_requests.signal_number)}: stopped before training "
@@ -139,12 +148,12 @@ class Session:
         except BaseException:
             self.stop_requests.restore()
             raise
-        num_runs = states.cycle.shape[0]
-        self.episodic_returns = np.full((args.num_cycles, num_runs), np.nan)
-        for point_index, rows in enumerate(self.kept_rows):
+        self.episodic_returns = np.full((args.num_cycles, states.cycle.shape[0]), np.nan)
+        for point_index, rows in enumerate(self.kept_rows):  # a resumed run's, up to its checkpoint
             for row in rows:
-                run = point_index * args.num_seeds + row["seed"] - args.seed
-                self.episodic_returns[row["cycle"] - 1, run] = np.nan if row["charts/episodic_return"] is None else row["charts/episodic_return"]
+                if row["charts/episodic_return"] is not None:
+                    run = point_index * args.num_seeds + row["seed"] - args.seed
+                    self.episodic_returns[row["cycle"] - 1, run] = row["charts/episodic_return"]
         self.training = True
         train_start = time.perf_counter()
         try:
@@ -372,43 +381,3 @@ def strongly_typed(leaf: jax.Array) -> jax.Array:
 def mean_or_none(values: list[float | None]) -> float | None:
     finite = [value for value in values if value is not None]
     return float(np.mean(finite)) if finite else None
-
-
-CACHE_HITS = threading.local()  # per thread: the programs JAX loaded from its compilation cache
-
-
-def count_cache_hits(event: str, **unused: Any) -> None:
-    if event == "/jax/compilation_cache/cache_hits":
-        CACHE_HITS.count = getattr(CACHE_HITS, "count", 0) + 1
-
-
-jax.monitoring.register_event_listener(count_cache_hits)
-
-
-def cache_hits_in_this_thread() -> int:
-    return getattr(CACHE_HITS, "count", 0)
-
-
-DEFAULT_COMPILATION_CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ppo-jax" / "xla"
-COMPILATION_CACHE_MAX_BYTES = 4 * 2**30  # least recently used programs go first beyond this
-COMPILATION_CACHE_MIN_SECONDS = 0.2  # programs that compile faster are not worth a file
-
-
-def use_compilation_cache(folder: str | None) -> None:
-    """JAX's persistent compilation cache, so that the next run of the same configuration loads
-    its programs instead of compiling them: in `folder` (--compilation-cache-dir), else in
-    $JAX_COMPILATION_CACHE_DIR when set, else DEFAULT_COMPILATION_CACHE; "off" turns it off. Before
-    anything compiles."""
-    if folder == "off":
-        jax.config.update("jax_enable_compilation_cache", False)
-        return
-    jax.config.update("jax_enable_compilation_cache", True)
-    if folder is None and os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # the user's, with JAX's settings or theirs
-        folder = os.environ["JAX_COMPILATION_CACHE_DIR"]
-    else:
-        folder = folder or str(DEFAULT_COMPILATION_CACHE)
-        jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_MAX_BYTES)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", COMPILATION_CACHE_MIN_SECONDS)
-    if jax.config.jax_compilation_cache_dir != folder:
-        jax.config.update("jax_compilation_cache_dir", folder)
-        compilation_cache.reset_cache()  # JAX opens its cache folder once per process: again, at the new one
