@@ -39,6 +39,7 @@ def use_cache(folder: str | None) -> None:
     anything compiles."""
     if folder == "off":
         jax.config.update("jax_enable_compilation_cache", False)
+        compilation_cache.reset_cache()  # JAX decides once per process whether it uses its cache: again, now
         return
     jax.config.update("jax_enable_compilation_cache", True)
     if folder is None and os.environ.get("JAX_COMPILATION_CACHE_DIR"):  # the user's, with JAX's settings or theirs
@@ -47,6 +48,5 @@ def use_cache(folder: str | None) -> None:
         folder = folder or str(DEFAULT_FOLDER)
         jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_COMPILE_SECONDS)
-    if jax.config.jax_compilation_cache_dir != folder:
-        jax.config.update("jax_compilation_cache_dir", folder)
-        compilation_cache.reset_cache()  # JAX opens its cache folder once per process: again, at the new one
+    jax.config.update("jax_compilation_cache_dir", folder)
+    compilation_cache.reset_cache()  # JAX opens its cache folder once per process: again, at this one

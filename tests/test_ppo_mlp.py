@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -399,6 +402,25 @@ def test_a_second_run_of_the_same_configuration_loads_its_train_program_from_the
 
     off = run_script(SCRIPT, "--num-total-env-steps", "2048", "--compilation-cache-dir", "off", "--run-dir", str(tmp_path / "off"))
     assert off.returncode == 0 and "the train program XLA compiled in" in off.stdout, off.stderr
+
+
+def test_compilation_cache_off_holds_even_after_jax_has_compiled_with_the_cache_on(tmp_path):
+    """JAX decides once per process whether it uses its cache, at the first compile: `use_cache("off")`
+    after a compile (a script's env or checks may compile first) must still keep programs out of it."""
+    code = """
+import jax
+def before(x): return x + 1
+def after(x): return x * 3 - 1
+jax.jit(before)(1)  # compiled with $JAX_COMPILATION_CACHE_DIR's cache on
+from ppo_support import compilation
+compilation.use_cache("off")
+jax.jit(after)(2.0)
+"""
+    env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"), "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    written = {path.name.split("-")[0] for path in (tmp_path / "cache").iterdir()}
+    assert "jit_before" in written and "jit_after" not in written, written
 
 
 def test_log_every_cycles_writes_every_kth_cycle_and_the_last(tmp_path):
