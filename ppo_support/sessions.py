@@ -160,15 +160,16 @@ class Session:
             states, self.stop_signal = segments.run(self.program, states, self.start_cycle, args.num_cycles, self.must_end,
                                                     self.max_cycles, mesh, self.stop_requests, self.after_segment)
             self.host.wait()
+            states = devices.fetch(states)  # --distributed: every process gathers the whole states
         except BaseException as error:
             self.stop_requests.restore()
-            if isinstance(error, jax.errors.JaxRuntimeError):
+            if isinstance(error, Exception):  # a failed collective: the program's (JaxRuntimeError) or a gather's (ValueError)
                 devices.raise_if_a_process_was_lost(error)
             raise
         finally:
             self.logger.close()
         self.train_seconds = time.perf_counter() - train_start
-        return devices.fetch(states)  # --distributed: every process gathers the whole states
+        return states
 
     def stop_message(self, signal_number: int) -> str:
         if not self.training:

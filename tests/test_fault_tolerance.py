@@ -194,9 +194,10 @@ def test_a_signal_while_compiling_writes_nothing_and_a_second_one_ends_the_proce
 TWO_DEVICES = {
     "ppo_mlp.py": ["--env-id", "Breakout-MinAtar", "--num-devices", "2", "--num-parallel-envs", "8",
                    "--num-env-steps-per-cycle", "32", "--num-total-env-steps", str(8 * 32 * 160), "--checkpoint-every-cycles", "20"],
-    "ppo_lstm_impala.py": ["--env-id", "Breakout-MinAtar", "--num-devices", "2", "--num-parallel-envs", "8",
+    "ppo_lstm_impala.py": ["--env-id", "Breakout-MinAtar", "--impala-channels", "4", "--torso-size", "32",
+                           "--lstm-size", "32", "--num-devices", "2", "--num-parallel-envs", "8",
                            "--num-env-steps-per-cycle", "16", "--num-minibatches-per-epoch", "2",
-                           "--num-total-env-steps", str(8 * 16 * 24), "--checkpoint-every-cycles", "4"],
+                           "--num-total-env-steps", str(8 * 16 * 48), "--checkpoint-every-cycles", "4"],
 }
 TWO_CPU_DEVICES = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2")}
 TWO_DEVICES_SIGNAL = {"ppo_mlp.py": signal.SIGTERM, "ppo_lstm_impala.py": signal.SIGINT}  # the other one of each, above
