@@ -461,7 +461,7 @@ def masked(logits: jax.Array, action_mask: jax.Array | None) -> jax.Array:
 def log_prob_and_entropy(logits: jax.Array, action: jax.Array) -> tuple[jax.Array, jax.Array]:
     """log pi(action) and the entropy of a categorical policy (as distrax.Categorical, tested)."""
     log_probs = jax.nn.log_softmax(logits)
-    log_prob = jnp.take_along_axis(log_probs, action[..., None], axis=-1)[..., 0]
+    log_prob = devices.take_along_last_axis(log_probs, action)
     entropy = -(jnp.exp(log_probs) * log_probs).sum(-1)
     return log_prob, entropy
 

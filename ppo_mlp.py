@@ -265,7 +265,7 @@ def masked(logits: jax.Array, action_mask: jax.Array | None) -> jax.Array:
 def log_prob_and_entropy(logits: jax.Array, action: jax.Array) -> tuple[jax.Array, jax.Array]:
     """log pi(action) and the entropy of a categorical policy (as distrax.Categorical, tested)."""
     log_probs = jax.nn.log_softmax(logits)
-    log_prob = jnp.take_along_axis(log_probs, action[..., None], axis=-1)[..., 0]
+    log_prob = devices.take_along_last_axis(log_probs, action)
     entropy = -(jnp.exp(log_probs) * log_probs).sum(-1)
     return log_prob, entropy
 
@@ -536,7 +536,7 @@ def update_cycle(
         epoch_key, epoch_index = epoch_input
         permutation = jax.random.permutation(epoch_key, batch_size)
         minibatches = jax.tree.map(
-            lambda x: x[permutation].reshape(num_minibatches, batch_size // num_minibatches, *x.shape[1:]), batch
+            lambda x: devices.permute_rows(x, permutation).reshape(num_minibatches, batch_size // num_minibatches, *x.shape[1:]), batch
         )  # (M, B / M, ...)
         first_step = (cycle * num_epochs + epoch_index) * num_minibatches
         gradient_steps = first_step + jnp.arange(num_minibatches)

@@ -6,6 +6,7 @@ import json
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from helpers import run_script, xla_flags
@@ -186,3 +187,39 @@ def test_the_feed_forward_network_learns_on_two_devices_what_it_learns_on_one(tm
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
         assert np.mean([row["charts/episodic_return"] for row in rows[:3]]) < 0.7  # it starts near chance (0.5)
         assert np.mean([row["charts/episodic_return"] for row in rows[-5:]]) > 0.9, num_devices
+
+
+def test_permute_rows_moves_the_rows_a_gather_would_on_a_tpu_and_elsewhere(monkeypatch):
+    """The minibatch shuffle's rows: on a TPU devices.permute_rows sorts them (its gather is slow);
+    both ways give x[permutation] exactly, for every leaf of a batch, under vmap over seeds."""
+    key = jax.random.key(0)
+    batch = {
+        "obs": jax.random.normal(key, (2, 512, 4)), "action": jax.random.randint(key, (2, 512), 0, 9),
+        "mask": jax.random.bernoulli(key, 0.5, (2, 512, 6)), "frames": jax.random.normal(key, (2, 512, 3, 5)),
+    }
+    permutations = jax.vmap(lambda k: jax.random.permutation(k, 512))(jax.random.split(jax.random.key(1), 2))
+    expected = jax.tree.map(lambda x: jax.vmap(lambda x, p: x[p])(x, permutations), batch)
+    for backend in ("cpu", "tpu"):  # "tpu": the sort, traced and run here on the CPU
+        monkeypatch.setattr(devices.jax, "default_backend", lambda: backend)
+        permute = jax.jit(jax.vmap(lambda batch, p: jax.tree.map(lambda x: devices.permute_rows(x, p), batch)))
+        got = permute(batch, permutations)
+        for name in batch:
+            assert got[name].dtype == batch[name].dtype and np.array_equal(got[name], expected[name]), (backend, name)
+
+
+def test_take_along_last_axis_picks_what_take_along_axis_does_with_its_gradient_on_a_tpu_and_elsewhere(monkeypatch):
+    """The taken action's log-probability: on a TPU a masked sum (its gather is slow), elsewhere
+    take_along_axis; both give the same values and gradients, exactly, under vmap over seeds."""
+    log_probs = jax.nn.log_softmax(jax.random.normal(jax.random.key(0), (2, 64, 7)))
+    actions = jax.random.randint(jax.random.key(1), (2, 64), 0, 7)
+    weights = jax.random.normal(jax.random.key(2), (2, 64))
+
+    def reference(log_probs):
+        return (jnp.take_along_axis(log_probs, actions[..., None], axis=-1)[..., 0] * weights).sum()
+
+    for backend in ("cpu", "tpu"):  # "tpu": the masked sum, traced and run here on the CPU
+        monkeypatch.setattr(devices.jax, "default_backend", lambda: backend)
+        picked = jax.jit(jax.vmap(devices.take_along_last_axis))(log_probs, actions)
+        assert np.array_equal(picked, jnp.take_along_axis(log_probs, actions[..., None], axis=-1)[..., 0]), backend
+        grad = jax.jit(jax.grad(lambda lp: (jax.vmap(devices.take_along_last_axis)(lp, actions) * weights).sum()))(log_probs)
+        assert np.array_equal(grad, jax.grad(reference)(log_probs)), backend
