@@ -139,8 +139,9 @@ class Dispatched(NamedTuple):
 
 class Pace:
     """How many cycles the next segment runs: about SEGMENT_SECONDS at the rate agreed so far (the
-    slowest process's), growing at most 4-fold from one segment to the next; the first run one
-    cycle. Every process paces from the same agreed values, so they all cut the same segments."""
+    slowest process's), growing at most 4-fold from one segment to the next, the first one cycle,
+    and shorter towards the end (next_cycles). Every process paces from the same agreed values,
+    so they all cut the same segments."""
 
     def __init__(self, max_cycles: int):
         self.max_cycles = max_cycles
@@ -152,6 +153,12 @@ class Pace:
             self.seconds_per_cycle = seconds_per_cycle
             by_time = max(1, int(SEGMENT_SECONDS / seconds_per_cycle))
             self.cycles = min(self.max_cycles, 4 * self.cycles, by_time)
+
+    def next_cycles(self, cycles_left: int) -> int:
+        """The next segment's length: `cycles`, but near the end at most half of the cycles left
+        (and no fewer than an eighth of `cycles`). The host writes the last segment's rows after
+        the device has finished, so a short last segment keeps that wait short."""
+        return min(self.cycles, cycles_left, max(-(-cycles_left // 2), self.cycles // 8, 1))
 
     def segments_ahead(self) -> int:
         """Segments dispatched beyond the one running: one, so that the device never waits; none
@@ -210,7 +217,7 @@ def run(
     last_ready = time.perf_counter()
     while True:
         while not stop and cycle < num_cycles and len(in_flight) <= pace.segments_ahead():
-            end = min(num_cycles, cycle + pace.cycles)
+            end = cycle + pace.next_cycles(num_cycles - cycle)
             end = next((c for c in range(cycle + 1, end) if must_end(c)), end)
             report = host_reports(HostReport(requests.signal_number, measured), mesh)
             outputs = program(states, np.int32(end - cycle), report)

@@ -120,3 +120,16 @@ def test_the_host_loop_covers_every_cycle_once_ends_on_every_cycle_it_must_and_s
     first_stopped = next(index for index, (_, ran, _) in enumerate(program.calls) if ran == 0)
     assert all(ran == 0 for _, ran, _ in program.calls[first_stopped:])
     assert [agreed[0] for _, _, agreed in program.calls[first_stopped:]] == [15.0] * (len(program.calls) - first_stopped)
+
+
+def test_segments_shorten_towards_the_end_so_that_the_rows_left_to_write_after_training_are_few():
+    pace = segments.Pace(max_cycles=1024)
+    pace.cycles = 300  # about SEGMENT_SECONDS at the measured rate
+    lengths, left = [], 976
+    while left:
+        lengths.append(pace.next_cycles(left))
+        left -= lengths[-1]
+    assert sum(lengths) == 976 and max(lengths) == 300 and len(lengths) <= 8
+    assert lengths[-1] <= 300 // 8 and lengths == sorted(lengths, reverse=True)
+    pace.cycles = 1  # the first segment, before any rate is known
+    assert pace.next_cycles(976) == 1 and pace.next_cycles(1) == 1
