@@ -5,6 +5,7 @@ such as `rundir.Checkpointer(...)` reads as "not PPO". What a module needs from 
 imports a script.
 
     cli         parsing the flags, the checks both scripts share, exit codes
+    contract    what the package reads from a script: its Args fields and metric names
     cpu         CPU settings: XLA flags, the unrolled PRNG, the 3x3 convolution
     devices     seeds (vmap), devices (shard_map), reductions across them
     envs        gymnax, Craftax and XLand-MiniGrid ids, their adapters, sticky actions

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import jax
 import tyro
 
-from . import devices, rundir, sweeps
+from . import contract, devices, rundir, sweeps
 from .errors import ConfigError, Interrupted, WriteError, flag
 
 # Flags of both scripts that must be positive integers.
@@ -131,6 +131,11 @@ def parse_args(args_class: type, argv: list[str] | None = None) -> Any:
     """The script's Args from the command line (tyro), with tyro's boxed parse errors folded into
     the one-line `error: ...` (exit code 2). With --resume RUN_DIR, the run's args.json gives the
     defaults."""
+    try:
+        contract.check_args_class(args_class)  # a copy that dropped a field the package reads
+    except ConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None
     argv = sys.argv[1:] if argv is None else list(argv)
     default = None
     for index, word in enumerate(argv):

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compilation, cpu, devices, evaluation, logs, nan_guard, rundir, segments, sweeps, videos
+from . import compilation, contract, cpu, devices, evaluation, logs, nan_guard, rundir, segments, sweeps, videos
 from .errors import ConfigError, Interrupted
 
 
@@ -30,6 +30,7 @@ class Session:
     to resume), turns on the compilation cache and makes the metrics logger; nothing is written yet."""
 
     def __init__(self, args: Any, metric_names: tuple[str, ...]):
+        contract.check_metric_names(metric_names, args)  # before anything is written
         self.args = args
         self.start_time = time.perf_counter()
         self.writes = jax.process_index() == 0  # --distributed: process 0 writes, prints and logs; the others only train
