@@ -716,12 +716,12 @@ def ppo_loss_terms(
     clip_vloss: bool, norm_adv: bool, axis_name: str | None = None,
 ) -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
     """Clipped surrogate and value losses on one minibatch (37 details: 7, 8, 9): (policy_loss,
-    value_loss, metrics); the total is policy_loss - ent_coef * entropy + vf_coef * value_loss."""
+    value_loss, metrics); the total is policy_loss - ent_coef * entropy + vf_coef * value_loss.
+    clip_vloss and norm_adv are bools (traced ones under --sweep: jnp.where takes both)."""
     advantage = batch.advantage
-    if norm_adv is not False:  # over the whole minibatch, every device's share of it included
-        mean = devices.mean_over_devices(advantage.mean(), axis_name)
-        std = jnp.sqrt(devices.mean_over_devices(((advantage - mean) ** 2).mean(), axis_name))
-        advantage = sweeps.where(norm_adv, (advantage - mean) / (std + 1e-8), advantage)  # --sweep: a traced bool
+    mean = devices.mean_over_devices(advantage.mean(), axis_name)  # the whole minibatch's, every device's share included
+    std = jnp.sqrt(devices.mean_over_devices(((advantage - mean) ** 2).mean(), axis_name))
+    advantage = jnp.where(norm_adv, (advantage - mean) / (std + 1e-8), advantage)
     logratio = new_logp - batch.logp
     ratio = jnp.exp(logratio)
     surrogate = ratio * advantage
@@ -730,12 +730,9 @@ def ppo_loss_terms(
 
     value_change = new_value - batch.value
     unclipped_value_loss = (new_value - batch.target) ** 2
-    if clip_vloss is not False:
-        clipped_value = batch.value + jnp.clip(value_change, -clip_eps, clip_eps)
-        clipped_value_loss = jnp.maximum(unclipped_value_loss, (clipped_value - batch.target) ** 2)
-        value_loss = 0.5 * sweeps.where(clip_vloss, clipped_value_loss, unclipped_value_loss).mean()
-    else:
-        value_loss = 0.5 * unclipped_value_loss.mean()
+    clipped_value = batch.value + jnp.clip(value_change, -clip_eps, clip_eps)
+    clipped_value_loss = jnp.maximum(unclipped_value_loss, (clipped_value - batch.target) ** 2)
+    value_loss = 0.5 * jnp.where(clip_vloss, clipped_value_loss, unclipped_value_loss).mean()
 
     metrics = {
         "losses/policy_loss": policy_loss,
@@ -768,9 +765,7 @@ MINIBATCH_METRIC_NAMES = ("losses/policy_loss", "losses/value_loss", "losses/ent
 def annealed(value: float, anneal: bool, num_steps: int) -> optax.Schedule:
     """`value` at gradient step 0, falling linearly to exactly 0 at step num_steps - 1 and never
     below (37 details: 4); or constant. (optax.linear_schedule ends at -6e-12 in float32.)"""
-    if anneal is False:
-        return optax.constant_schedule(value)
-    return lambda step: value * sweeps.where(anneal, jnp.clip(1.0 - step / max(num_steps - 1, 1), 0.0, 1.0), 1.0)
+    return lambda step: value * jnp.where(anneal, jnp.clip(1.0 - step / max(num_steps - 1, 1), 0.0, 1.0), 1.0)
 
 
 def make_optimizer(args: Args) -> optax.GradientTransformation:

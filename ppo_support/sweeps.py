@@ -133,14 +133,6 @@ def point_args(args: Any, values: dict[str, Any]) -> Any:
     return dataclasses.replace(args, **values)
 
 
-def where(flag_value: Any, on: Any, off: Any) -> Any:
-    """`on if flag else off`: a Python bool picks one (the program holds only it); a swept bool
-    (traced) selects between both, element by element."""
-    if isinstance(flag_value, bool):
-        return on if flag_value else off
-    return jax.tree.map(lambda a, b: jnp.where(flag_value, a, b), on, off)
-
-
 def runs_of_points(states: Any, grid: Grid | None, num_seeds: int) -> Any:
     """The initial states of every run: the seeds' states once per point (every point starts
     from the same seeds), each with its point's values in `sweep`. Without a grid: `states`."""
