@@ -163,7 +163,7 @@ class Transition(NamedTuple):
     `final_obs[t]` is the observation the step produced before the automatic reset; when the
     episode goes on it equals obs[t+1]. Truncation bootstraps from V(final_obs), computed with
     the carry after obs[t] (never a reset carry); termination does not bootstrap.
-    Observations are frame-stacked (H, W, C * frame_stack).
+    Image observations are frame-stacked along the channels (--frame-stack).
     """
 
     obs: jax.Array  # (T, N, *obs_shape)
@@ -200,7 +200,7 @@ class EnvCarry(NamedTuple):
     """What the environments carry from one cycle to the next, per seed."""
 
     env_state: Any
-    obs: jax.Array  # (N, H, W, C * frame_stack) the frame stack
+    obs: jax.Array  # (N, *obs_shape): the frame stack, with --frame-stack
     episode_start: jax.Array  # (N,) bool: obs is the first of an episode (the previous step's done)
     lstm_carry: jax.Array  # (N, carry_size) before its reset by episode_start
     episode_return: jax.Array  # (N,) running return of the unfinished episode
@@ -416,8 +416,8 @@ class Core(nn.Module):
 
 
 class ActorCritic(nn.Module):
-    """A shared IMPALA torso and LSTM with actor and critic heads, or a separate torso and LSTM
-    for the critic (37 details: 13)."""
+    """A shared torso (IMPALA, Nature or MLP: --torso) and LSTM with actor and critic heads, or a
+    separate torso and LSTM for the critic (37 details: 13)."""
 
     num_actions: int
     torso: str
@@ -886,7 +886,6 @@ def update_cycle(
     return carry.params, carry.opt_state, metrics, carry.non_finite
 
 
-# Logged every cycle (charts/SPS is added on the host), then the env's own env/<name> metrics.
 def explained_variance(prediction: jax.Array, target: jax.Array, axis_name: str | None = None) -> jax.Array:
     """1 - Var(target - prediction) / Var(target) over every device's batch; NaN when the
     target is constant."""
@@ -899,6 +898,7 @@ def explained_variance(prediction: jax.Array, target: jax.Array, axis_name: str 
     return jnp.where(target_variance == 0, jnp.nan, 1.0 - variance(target - prediction) / target_variance)
 
 
+# Logged every cycle (charts/SPS is added on the host), then the env's own env/<name> metrics.
 METRIC_NAMES = ("charts/episodic_return", "charts/episodic_length", "charts/learning_rate", "charts/clip_eps",
                 *MINIBATCH_METRIC_NAMES, "losses/explained_variance", "losses/epochs_run")
 
@@ -1043,13 +1043,7 @@ def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | 
     return init, train
 
 
-
-
-# ======================================================================================
-# ==== Run: check the flags, make the env, build the program, train, save ====
-# ======================================================================================
-
-
+# --- Run: check the flags, make the env, build the program, train, save ----------------------
 def validate_args(args: Args) -> None:
     """Every check on the arguments, before anything is compiled or written: the flags both
     scripts have (cli.check_common_args), then this script's own."""

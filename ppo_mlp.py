@@ -553,7 +553,6 @@ def update_cycle(
     return carry.params, carry.opt_state, metrics, carry.non_finite
 
 
-# Logged every cycle (charts/SPS is added on the host), then the env's own env/<name> metrics.
 def explained_variance(prediction: jax.Array, target: jax.Array, axis_name: str | None = None) -> jax.Array:
     """1 - Var(target - prediction) / Var(target) over every device's batch; NaN when the
     target is constant."""
@@ -566,6 +565,7 @@ def explained_variance(prediction: jax.Array, target: jax.Array, axis_name: str 
     return jnp.where(target_variance == 0, jnp.nan, 1.0 - variance(target - prediction) / target_variance)
 
 
+# Logged every cycle (charts/SPS is added on the host), then the env's own env/<name> metrics.
 METRIC_NAMES = ("charts/episodic_return", "charts/episodic_length", "charts/learning_rate", "charts/clip_eps",
                 *MINIBATCH_METRIC_NAMES, "losses/explained_variance", "losses/epochs_run")
 
@@ -702,13 +702,7 @@ def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | 
     return init, train
 
 
-
-
-# ======================================================================================
-# ==== Run: check the flags, make the env, build the program, train, save ====
-# ======================================================================================
-
-
+# --- Run: check the flags, make the env, build the program, train, save ----------------------
 def validate_args(args: Args) -> None:
     """Every check on the arguments, before anything is compiled or written: the flags both
     scripts have (cli.check_common_args), then this script's own."""
