@@ -281,11 +281,9 @@ def dense(features: int, gain: float, orthogonal_init: bool) -> nn.Dense:
 def conv(features: int, orthogonal_init: bool, kernel: int = 3, stride: int = 1, padding: str = "SAME") -> nn.Conv:
     """IMPALA's convs (Espeholt et al. 2018, fig. 3) are all 3x3 stride 1 SAME, the defaults; the
     Nature CNN's are VALID, of several sizes."""
-    # The same parameters either way; see cpu.conv3x3_for_cpu. Other kernels and strides: XLA's own.
-    on_cpu_3x3 = jax.default_backend() == "cpu" and (kernel, stride) == (3, 1)
     return nn.Conv(
         features, (kernel, kernel), (stride, stride), padding=padding,
-        conv_general_dilated=cpu.conv3x3_for_cpu if on_cpu_3x3 else None, **init_kwargs(HIDDEN_GAIN, orthogonal_init),
+        conv_general_dilated=cpu.convolution(kernel, stride), **init_kwargs(HIDDEN_GAIN, orthogonal_init),
     )
 
 

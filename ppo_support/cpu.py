@@ -109,3 +109,9 @@ def conv3x3_for_cpu(lhs, rhs, window_strides, padding, lhs_dilation=None, rhs_di
     if pad is None or jax.typeof(lhs).manual_axis_type.varying:  # under shard_map (simulated CPU devices): XLA's own
         return jax.lax.conv_general_dilated(lhs, rhs, window_strides, padding, dimension_numbers=NHWC_HWIO)
     return nhwc_conv_3x3(lhs, rhs, pad)
+
+
+def convolution(kernel: int, stride: int) -> Callable | None:
+    """nn.Conv's conv_general_dilated for a kernel and stride: conv3x3_for_cpu for a 3x3 stride-1
+    conv on the CPU (the same parameters, faster there), else None (XLA's own)."""
+    return conv3x3_for_cpu if jax.default_backend() == "cpu" and (kernel, stride) == (3, 1) else None
