@@ -82,6 +82,7 @@ class Args:
     mask_invalid_actions: bool = True  # if the env has `action_mask(env_state, env_params) -> bool (A,)`
 
     # --- network (37 details: 2 orthogonal init, 13 separate networks, 21 Nature CNN) ---
+
     # the torso before the LSTM: IMPALA's CNN (Espeholt et al. 2018), the Nature DQN's (Mnih et al. 2015), or
     # dense layers (--hidden-sizes, --activation, as ppo_mlp.py's) on the flattened observation; auto: impala
     # for (H, W, C) images, mlp for every other observation (vectors: Craftax-Symbolic, bsuite's MemoryChain)

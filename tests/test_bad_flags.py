@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 
 import pytest
+from helpers import run_script
 
 COMMON = [
     # (argv, the flag the error line must name)
@@ -133,3 +134,10 @@ def test_a_bad_flag_value_exits_2_with_one_line_that_names_it(script, argv, name
     assert err.startswith("error: ") and len(err.splitlines()) == 1 and name in err, err
     assert "Traceback" not in out + err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("script", ["ppo_mlp.py", "ppo_lstm_impala.py"])
+def test_help_shows_each_flags_own_text_and_no_section_header_of_the_source(script):
+    result = run_script(script, "--help", timeout=120)
+    assert result.returncode == 0 and "--num-parallel-envs" in result.stdout
+    assert "--- " not in result.stdout, result.stdout  # a "# --- section ---" comment of Args
