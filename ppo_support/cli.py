@@ -127,6 +127,24 @@ def check_wandb_args(args: Any) -> None:
             raise ConfigError(f"--wandb-tags: each tag must be 1 to {WANDB_TAG_LIMIT} characters, got {tag!r}")
 
 
+# CleanRL's flag names (ppo.py, ppo_atari_lstm.py) and PureJaxRL's config keys, as flags, for ours.
+OTHER_NAMES = {
+    "--learning-rate": "--lr", "--total-timesteps": "--num-total-env-steps", "--num-envs": "--num-parallel-envs",
+    "--num-steps": "--num-env-steps-per-cycle", "--update-epochs": "--num-epochs-per-cycle",
+    "--num-minibatches": "--num-minibatches-per-epoch", "--clip-coef": "--clip-eps", "--wandb-project-name": "--wandb-project",
+    "--env-name": "--env-id",
+}
+
+
+def did_you_mean(argv: list[str], args_class: type) -> str:
+    """' (CleanRL's --learning-rate is --lr here; ...)' for the other names in argv that this script's
+    Args has under another name (docs/flags.md has the table); '' when there are none."""
+    fields = {flag(field.name) for field in dataclasses.fields(args_class)}
+    given = {word.partition("=")[0].replace("_", "-").lower() for word in argv if word.startswith("--")}
+    hints = [f"{name} is {ours} here" for name, ours in OTHER_NAMES.items() if name in given and ours in fields]
+    return f" ({'; '.join(hints)}: docs/flags.md maps CleanRL's and PureJaxRL's names)" if hints else ""
+
+
 def parse_args(args_class: type, argv: list[str] | None = None) -> Any:
     """The script's Args from the command line (tyro), with tyro's boxed parse errors folded into
     the one-line `error: ...` (exit code 2). With --resume RUN_DIR, the run's args.json gives the
@@ -157,7 +175,7 @@ def parse_args(args_class: type, argv: list[str] | None = None) -> Any:
         body = [text for text in lines[1:] if text]
         body = body[1:] if body and is_rule(body[0]) else body
         message = " ".join(itertools.takewhile(lambda text: not is_rule(text), body))
-        print(f"error: {message or captured.getvalue().strip()}", file=sys.stderr)
+        print(f"error: {message or captured.getvalue().strip()}{did_you_mean(argv, args_class)}", file=sys.stderr)
         raise SystemExit(2) from None
     try:
         sweeps.check_not_also_flags(sweeps.parse(args), argv)

@@ -12,6 +12,13 @@ from helpers import run_script
 
 COMMON = [
     # (argv, the flag the error line must name)
+    (["--learning-rate", "1e-3"], "--learning-rate is --lr here"),  # CleanRL's and PureJaxRL's names: a hint
+    (["--total-timesteps", "100000"], "--total-timesteps is --num-total-env-steps here"),
+    (["--num-envs", "8"], "--num-envs is --num-parallel-envs here"),
+    (["--num_steps", "64"], "--num-steps is --num-env-steps-per-cycle here"),
+    (["--update-epochs", "2"], "--update-epochs is --num-epochs-per-cycle here"),
+    (["--num-minibatches", "2"], "--num-minibatches is --num-minibatches-per-epoch here"),
+    (["--clip-coef=0.1"], "--clip-coef is --clip-eps here"),
     (["--lr", "-0.1"], "--lr"),
     (["--lr", "0"], "--lr"),
     (["--lr", "nan"], "--lr"),
