@@ -235,7 +235,8 @@ class Session:
                 for (point_args, folder), point in zip(self.points, self.grid.points)
             ]
         points = "" if self.grid is None else f" x {len(self.grid.points)} points"
-        print(f"run dir: {self.path}  |  {args.num_cycles} cycles x {args.batch_size} env steps x {args.num_seeds} seeds{points}",
+        print(f"run dir: {self.path}  |  {args.num_cycles} cycles x {args.batch_size} env steps x {args.num_seeds} "
+              f"seed{'' if args.num_seeds == 1 else 's'}{points}",
               flush=True)
         self.logger.start(self.start_cycle, self.wandb_runs[0] if self.grid is None else self.wandb_runs)
 
