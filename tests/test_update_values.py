@@ -26,12 +26,12 @@ SCRIPTS = {
 }  # CartPole-v1 and the Clock probe: 2 actions each
 
 
-def record_updates(monkeypatch, script: str, target_kl: float | None):
+def record_updates(monkeypatch, script: str, target_kl: float | None, **flags):
     """Trains one seed with every minibatch_update call read out: the carry it started from, its
     minibatch and clip range, and the parameters, optimizer state and count of applied updates
     it returned. Returns (module, args, calls in run order, metrics (cycles, 1), final states)."""
     module, sizes = SCRIPTS[script]
-    args = module.Args(**sizes, target_kl=target_kl)
+    args = module.Args(**{**sizes, **flags}, target_kl=target_kl)
     calls = record_calls(monkeypatch, module, "minibatch_update", lambda a, out: dict(
         params=a[0].params, opt_state=a[0].opt_state, applied_before=a[0].num_applied, minibatch=a[1],
         clip_eps=jnp.asarray(a[3]), params_after=out.params, opt_state_after=out.opt_state, applied_after=out.num_applied,
@@ -95,6 +95,17 @@ def test_the_learning_rate_and_clip_range_used_follow_the_nominal_step_to_zero(m
     if target_kl is not None:  # a step applied after skipped ones: there a count of applied steps would differ
         applied = [call["applied"] for call in calls]
         assert any(applied[step] and not all(applied[:step]) for step in range(num_steps - 1))
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_the_clip_range_anneals_with_its_own_flag_and_the_learning_rate_stays_without_its_own(monkeypatch, script):
+    # --anneal-clip-eps alone: the clip range passed to the loss falls to exactly 0 while the
+    # learning rate stays at --lr (a schedule read from the other switch would fail one of them).
+    _, args, calls, metrics, _ = record_updates(monkeypatch, script, None, anneal_lr=False, anneal_clip_eps=True)
+    fraction = 1.0 - np.arange(args.num_gradient_steps) / (args.num_gradient_steps - 1)
+    assert [float(call["clip_eps"]) for call in calls] == pytest.approx(list(args.clip_eps * fraction), rel=1e-6, abs=0.0)
+    assert np.all(metrics["charts/learning_rate"] == np.float32(args.lr))
+    assert metrics["charts/clip_eps"][-1, 0] == 0.0
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
