@@ -307,7 +307,7 @@ def collect_rollout(
 
     def step(carry: EnvCarry, step_input):
         step_gumbel, step_keys = step_input
-        logits = network.apply(params, normalize_obs(obs_stats, carry.obs), method=ActorCritic.policy)
+        logits = network.apply(params, normalize_obs(obs_stats, carry.obs), method="policy")
         action_mask = jax.vmap(env.action_mask, in_axes=(0, None))(carry.env_state, env_params) if mask_actions else None
         action = jnp.argmax(masked(logits, action_mask) + step_gumbel, axis=-1)  # Gumbel-max = categorical sample
         stepped = envs.step_envs(env, step_keys, carry.env_state, action, env_params)
@@ -632,7 +632,7 @@ def eval_step(
     --eval-greedy takes the argmax of the masked logits, else a sample (Gumbel-max, as in training)."""
     env_carry = carry.env
     key, action_key, env_key = jax.random.split(carry.key, 3)
-    logits = network.apply(params, normalize_obs(obs_stats, env_carry.obs), method=ActorCritic.policy)
+    logits = network.apply(params, normalize_obs(obs_stats, env_carry.obs), method="policy")
     mask_actions = uses_action_mask(args, env)
     action_mask = jax.vmap(env.action_mask, in_axes=(0, None))(env_carry.env_state, env_params) if mask_actions else None
     noise = 0.0 if args.eval_greedy else jax.random.gumbel(action_key, logits.shape)
