@@ -305,10 +305,16 @@ class Session:
         """The console's last line, and a line on stderr per failed seed."""
         args = self.args
         if self.grid is None:
+
+            def with_seeds(name: str) -> str:  # the mean, then each seed's value when there are several
+                per_seed = "" if args.num_seeds == 1 else f" (seeds: {', '.join(map(logs.fmt, summary[name + '_per_seed']))})"
+                return logs.fmt(summary[name]) + per_seed
+
             print(
                 f"done: {summary['sps']:,.0f} env steps/s, compile {self.compile_seconds:.1f} s, "
-                f"final return {logs.fmt(summary['final_episodic_return'])}"
-                + (f", final eval return {logs.fmt(summary['final_eval_return'])}" if args.eval_every_cycles else ""),
+                f"final return {with_seeds('final_episodic_return')}"
+                + (f", final eval return {with_seeds('final_eval_return')}" if args.eval_every_cycles else "")
+                + f" | run dir: {self.path}",
                 flush=True,
             )
         else:

@@ -485,3 +485,16 @@ def test_cartpole_default_flags_reach_475_with_several_seeds(tmp_path):
     summary = ppo_mlp.run(ppo_mlp.Args(num_seeds=4, run_dir=str(tmp_path / "cartpole")))
     assert summary["final_episodic_return"] >= 475, summary
     assert math.isfinite(summary["sps"])
+
+
+def test_the_last_line_gives_each_seeds_final_returns_and_the_run_dir(tmp_path):
+    run_dir = tmp_path / "run"
+    result = run_script("ppo_mlp.py", "--num-parallel-envs", "4", "--num-env-steps-per-cycle", "16", "--num-total-env-steps",
+                        "256", "--num-seeds", "2", "--eval-every-cycles", "4", "--run-dir", str(run_dir))
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    last = result.stdout.strip().splitlines()[-1]
+    for name, label in (("final_episodic_return", "final return"), ("final_eval_return", "final eval return")):
+        seeds = ", ".join("-" if value is None else f"{value:.4g}" for value in summary[f"{name}_per_seed"])
+        assert f"{label} {summary[name]:.4g} (seeds: {seeds})" in last, last
+    assert last.startswith("done: ") and last.endswith(f" | run dir: {run_dir}")
