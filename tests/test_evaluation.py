@@ -161,20 +161,24 @@ class RandomLength(environment.Environment):
         return state.length.astype(jnp.float32)[None], state, jnp.float32(1.0), state.time >= state.length, {}
 
 
-def test_eval_metrics_are_means_over_the_episodes_finished_within_the_step_cap(monkeypatch):
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_eval_metrics_are_means_over_the_episodes_finished_within_the_step_cap(monkeypatch, name):
     """Episodes of random lengths 1 to 4, reward 1 per step. With the cap at 2 steps only the
     episodes of length 1 and 2 count: their mean return and length, by a Python loop over the
-    lengths drawn at reset. With the cap at 100 every episode counts; with none under the cap NaN."""
-    args = ppo_mlp.Args(eval_episodes=12, eval_greedy=False)
+    lengths drawn at reset (only each env's first episode: the ones after it never count). With
+    the cap at 100 every episode counts; with none under the cap NaN."""
+    module = MODULES[name]
+    extra = dict(lstm_size=8, hidden_sizes=(8,)) if module is ppo_lstm_impala else {}  # the MLP torso: vector observations
+    args = module.Args(eval_episodes=12, eval_greedy=False, **extra)
     env, env_params = RandomLength(), RandomLength().default_params
-    network, params = hand_set_params(ppo_mlp, args, env, env_params, [0.0, 0.0])
+    network, params = hand_set_params(module, args, env, env_params, [0.0, 0.0])
     key = jax.random.fold_in(jax.random.key(3), evaluation.EVAL_KEY_TAG)
-    policy = ppo_mlp.make_evaluation(network, env, env_params, args)
+    policy = module.make_evaluation(network, env, env_params, args)
     lengths = [int(x) for x in evaluation.start_evaluation(key, policy, args.eval_episodes).env.env_state.length]
     assert min(lengths) <= 2 < max(lengths)
 
     evaluate_with_cap = lambda cap: jax.jit(  # noqa: E731
-        lambda params, key: evaluation.evaluate_policy(policy, state_with(ppo_mlp, params), key, args, env_params)
+        lambda params, key: evaluation.evaluate_policy(policy, state_with(module, params), key, args, env_params)
     )
     for cap in [2, 100]:
         monkeypatch.setattr(evaluation, "max_eval_steps", lambda env_params: cap)
