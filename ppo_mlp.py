@@ -531,7 +531,7 @@ def update_cycle(
         epoch_key, epoch_index = epoch_input
         permutation = jax.random.permutation(epoch_key, batch_size)
         minibatches = jax.tree.map(
-            lambda x: devices.permute_rows(x, permutation).reshape(num_minibatches, batch_size // num_minibatches, *x.shape[1:]), batch
+            lambda x: x.reshape(num_minibatches, batch_size // num_minibatches, *x.shape[1:]), devices.permute_rows(batch, permutation)
         )  # (M, B / M, ...)
         first_step = (cycle * num_epochs + epoch_index) * num_minibatches
         gradient_steps = first_step + jnp.arange(num_minibatches)

@@ -137,8 +137,8 @@ OTHER_NAMES = {
 
 
 def did_you_mean(argv: list[str], args_class: type) -> str:
-    """' (CleanRL's --learning-rate is --lr here; ...)' for the other names in argv that this script's
-    Args has under another name (docs/flags.md has the table); '' when there are none."""
+    """' (--learning-rate is --lr here; ...: docs/flags.md ...)' for the CleanRL or PureJaxRL names
+    in argv that this script's Args has under another name; '' when there are none."""
     fields = {flag(field.name) for field in dataclasses.fields(args_class)}
     given = {word.partition("=")[0].replace("_", "-").lower() for word in argv if word.startswith("--")}
     hints = [f"{name} is {ours} here" for name, ours in OTHER_NAMES.items() if name in given and ours in fields]

@@ -113,7 +113,7 @@ class MetricsLogger:
     def write_rows(self, cycles: list[int], rows: list[list[list[float]]], sps: float) -> None:
         """metrics.jsonl: one line per cycle and seed, the line json.dumps gives of {"cycle",
         "env_steps", "seed", the tags, "charts/SPS", the metrics; NaN as null}, formatted directly:
-        json.dumps of each row was 3x slower, and its tail held a TPU run back (docs/accelerators.md)."""
+        json.dumps of each row was 1.5x slower, and its tail held a TPU run back (docs/accelerators.md)."""
         keys = [json.dumps(name) + ": " for name in self.metric_names]
         fixed = "".join(f", {json.dumps(key)}: {json.dumps(value)}" for key, value in {**self.tags, "charts/SPS": sps}.items())
         lines = []
