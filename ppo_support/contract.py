@@ -39,6 +39,14 @@ ARGS_FIELDS = (
 # Metrics the package reads from a run's rows: the summary's return and the console line's losses.
 METRICS = ("charts/episodic_return", "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/actor_approxkl3")
 
+# CleanRL's names for three of ours (its ppo*.py files), logged beside ours so that CleanRL
+# dashboards line up; the tools accept either name, on run dirs logged before these were too.
+CLEANRL_NAMES = {
+    "losses/approx_kl": "losses/actor_approxkl3",
+    "losses/old_approx_kl": "losses/actor_approxkl1",
+    "losses/clipfrac": "losses/actor_clipfrac",
+}
+
 # TrainState fields the package reads or sets (nan_guard, sessions, sweeps): the script's state has them.
 STATE_FIELDS = ("params", "opt_state", "key", "cycle", "non_finite", "non_finite_cycle", "sweep")
 
