@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import glob
 import hashlib
 import json
 import math
@@ -112,7 +113,38 @@ def args_from_json(path: Path, args_class: type) -> Any:
     for name, value in values.items():  # JSON has no tuples
         if isinstance(fields[name].default, tuple) and isinstance(value, list):
             values[name] = tuple(value)
+    check_env_module_outside_run_dirs(str(values.get("env_id", "")), path)
     return args_class(**values)
+
+
+def check_env_module_outside_run_dirs(env_id: str, args_path: Path) -> None:
+    """A custom env id (`module.path:Name`) read from a run's args.json is imported only if its
+    module lies outside every run dir: a module file, or a package folder on its way, inside a
+    folder that holds an args.json is refused in one line, before anything is imported. The tools
+    never run code that a run dir carries."""
+    module_name = env_id.partition(":")[0] if ":" in env_id else ""
+    for found in module_locations(module_name) if module_name else []:
+        folder = found if found.is_dir() else found.parent
+        for inside in [folder, *folder.parents]:
+            if (inside / "args.json").is_file():
+                raise ConfigError(
+                    f"{args_path}: --env-id {env_id} names the module {found}, which lies inside the run dir "
+                    f"{inside}; the tools do not import a run dir's code: install the env's module, or put its folder "
+                    "on PYTHONPATH outside every run dir"
+                )
+
+
+def module_locations(module_name: str) -> list[Path]:
+    """Every file or folder that Python's path search could take for `module_name` or for one of
+    its parent packages, in every sys.path entry: found without importing anything."""
+    parts = module_name.split(".")
+    found = []
+    for entry in sys.path:
+        top = Path(entry or ".").resolve()
+        for depth in range(len(parts), 0, -1):  # the module itself first, then its packages
+            stem = top.joinpath(*parts[:depth])
+            found += [path for path in [stem, *stem.parent.glob(f"{glob.escape(parts[depth - 1])}.*")] if path.exists()]
+    return found
 
 
 def experiment_name(args: Any) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -253,6 +254,29 @@ def test_tools_never_run_a_script_that_lies_inside_the_run_dir_and_take_one_with
     result = run_script("scripts/plot.py", str(run_dir), "--out", str(tmp_path / "x.png"), "--debug-grid", "--script",
                         str(script), timeout=300)
     assert result.returncode == 0 and f"script: {script}" in result.stdout, result.stderr
+
+
+@pytest.mark.parametrize("payload_in", ["run1", "run0"])
+def test_no_tool_imports_an_env_module_that_lies_inside_a_run_dir(tmp_path, payload_in):
+    """A run dir on the import path whose args.json names a custom env module inside itself (or
+    inside another run dir): evaluate.py and --resume refuse it in one line, exit 2, and import
+    none of it (the payload would leave a file behind)."""
+    for name in ("run0", "run1"):
+        (tmp_path / "shared" / name).mkdir(parents=True)
+        (tmp_path / "shared" / name / "args.json").write_text(json.dumps({"script": "ppo_mlp.py", "num_seeds": 1}))
+    payload = tmp_path / "shared" / payload_in / "payload.py"
+    payload.write_text("import pathlib\npathlib.Path(__file__).with_name('ran').touch()\ndef make():\n    pass\n")
+    run_dir = tmp_path / "shared" / "run1"
+    (run_dir / "args.json").write_text(json.dumps({"script": "ppo_mlp.py", "env_id": f"shared.{payload_in}.payload:make"}))
+    (run_dir / "params.msgpack").write_bytes(b"")  # never read: the env is made first
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ["PYTHONPATH"]])}
+    for command in [("scripts/evaluate.py", str(run_dir), "--episodes", "1"), ("ppo_mlp.py", "--resume", str(run_dir))]:
+        result = run_script(*command, timeout=120, env=env)
+        assert result.returncode == 2, result.stderr[-3000:]
+        error_lines = [line for line in result.stderr.splitlines() if "error:" in line]
+        assert len(error_lines) == 1 and "inside the run dir" in error_lines[0], result.stderr
+        assert str(payload) in error_lines[0] and "PYTHONPATH" in error_lines[0]
+        assert not (payload.parent / "ran").exists()
 
 
 def test_a_loaded_script_imports_the_package_beside_it_and_the_tools_keep_theirs(tmp_path):
