@@ -404,3 +404,59 @@ def test_the_host_queue_runs_its_jobs_in_order_and_stops_at_the_first_error():
     with pytest.raises(errors.WriteError, match="cannot write 4"):  # the next segment stops the run
         host.raise_error()
     assert [label for _, label in seen] == ["row 1", "row 2", "row 3"]  # nothing runs after the first error
+
+
+def test_the_host_queue_has_one_worker_that_keeps_the_order_of_jobs_of_different_lengths():
+    # One thread: a job never starts before the one submitted ahead of it has returned, however
+    # long that one takes (a second worker would let a short job overtake a long one).
+    import threading
+
+    before = set(threading.enumerate())
+    host = logs.HostQueue()
+    assert len(set(threading.enumerate()) - before) == 1
+    events, running = [], []
+
+    def job(index: int, seconds: float) -> None:
+        running.append(index)
+        events.append(("start", index, len(running), threading.get_ident()))
+        time.sleep(seconds)
+        running.remove(index)
+        events.append(("end", index))
+
+    for index in range(8):
+        host.submit(job, index, 0.08 if index % 2 == 0 else 0.0)
+    host.wait()
+    assert [event[:2] for event in events] == [(kind, index) for index in range(8) for kind in ("start", "end")]
+    assert all(event[2] == 1 for event in events if event[0] == "start")  # never two at once
+    assert len({event[3] for event in events if event[0] == "start"}) == 1  # all on the same thread
+
+
+def test_a_checkpoint_is_written_after_the_rows_of_every_cycle_it_holds(tmp_path, monkeypatch):
+    """What the host queue writes, in a real run: the metrics rows of cycles 1..c always reach
+    metrics.jsonl before checkpoint-c.npz, so a run killed between two writes never holds a
+    checkpoint ahead of its rows. Recorded in the order the writes ran, so no timing decides it."""
+    writes = []
+    logger_call, checkpointer_call = logs.MetricsLogger.__call__, rundir.Checkpointer.__call__
+
+    def log_rows(self, cycles, *rest, **kwargs):
+        logger_call(self, cycles, *rest, **kwargs)
+        writes.append(("rows", list(cycles)))
+
+    def write_checkpoint(self, cycle, *rest, **kwargs):
+        time.sleep(0.05)  # a slow disk: a later job must still wait for it
+        checkpointer_call(self, cycle, *rest, **kwargs)
+        writes.append(("checkpoint", int(cycle)))
+
+    monkeypatch.setattr(logs.MetricsLogger, "__call__", log_rows)
+    monkeypatch.setattr(rundir.Checkpointer, "__call__", write_checkpoint)
+    argv = ["--num-parallel-envs", "4", "--num-env-steps-per-cycle", "32", "--num-total-env-steps", str(128 * 8),
+            "--checkpoint-every-cycles", "2", "--keep-checkpoints", "8", "--run-dir", str(tmp_path / "run")]
+    assert ppo_mlp.main(argv) == 0
+    logged, checkpointed = [], []
+    for kind, value in writes:
+        if kind == "rows":
+            logged += value
+        else:
+            assert set(range(1, value + 1)) <= set(logged), (value, writes)
+            checkpointed.append(value)
+    assert logged == list(range(1, 9)) and checkpointed == [2, 4, 6, 8]
