@@ -90,12 +90,13 @@ class Args:
 
     # --- logging ----------------------------------------------------------------------
     track: bool = False  # log to Weights & Biases
-    wandb_project: str = "ppo-jax"  # wandb project
-    wandb_entity: str | None = None  # wandb entity (team or user)
-    wandb_group: str | None = None  # wandb group; default <env>__<exp-name>
-    wandb_tags: tuple[str, ...] = ()  # wandb tags
+    # The wandb flags left unset defer to wandb's own variables (WANDB_PROJECT, WANDB_MODE, ...).
+    wandb_project: str | None = None  # wandb project; default $WANDB_PROJECT, else ppo-jax
+    wandb_entity: str | None = None  # wandb entity (team or user); default $WANDB_ENTITY, else your default entity
+    wandb_group: str | None = None  # wandb group; default $WANDB_RUN_GROUP, else <env>__<exp-name>
+    wandb_tags: tuple[str, ...] = ()  # wandb tags; default $WANDB_TAGS (comma-separated)
     wandb_run_per_seed: bool = False  # one wandb run per seed, plain metric names (CleanRL's layout); off: seed_<n>/
-    wandb_mode: Literal["online", "offline", "disabled"] = "online"  # offline: RUN_DIR/wandb, for `wandb sync`
+    wandb_mode: Literal["online", "offline", "disabled"] | None = None  # default $WANDB_MODE, else online; offline: for `wandb sync`
     run_dir: str | None = None  # output folder; default runs/<env>__<exp-name>__<seed>__<time>
     log_every_cycles: int = 1  # write metrics every this many cycles (the last cycle is always written)
     eval_every_cycles: int | None = None  # evaluate every K cycles and at the last, on fresh envs (eval/*); None: off

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import queue
 import threading
 import time
@@ -18,7 +19,7 @@ import jax
 import numpy as np
 
 from . import envs, evaluation, rundir
-from .errors import WriteError
+from .errors import ConfigError, WriteError
 
 class HostQueue:
     """Runs the host's writes (the metrics logger, the checkpointer, the video recorder) on one
@@ -219,6 +220,39 @@ def clock(seconds: float) -> str:
     return f"{minutes // 60}:{minutes % 60:02d}:{seconds:02d}"
 
 
+DEFAULT_WANDB_PROJECT = "ppo-jax"  # without --wandb-project and WANDB_PROJECT
+OFFLINE_WANDB_MODES = ("offline", "dryrun", "disabled")  # wandb's modes that need no API key ("dryrun": offline)
+
+
+def wandb_project(args: Any) -> str:
+    """--wandb-project, else wandb's WANDB_PROJECT, else DEFAULT_WANDB_PROJECT."""
+    return args.wandb_project or os.environ.get("WANDB_PROJECT") or DEFAULT_WANDB_PROJECT
+
+
+def check_wandb_can_log(args: Any) -> None:
+    """--track: before anything is compiled, that wandb can log in the mode the run asks for
+    (--wandb-mode, else wandb's WANDB_MODE, else online): online, it needs an API key, which wandb
+    looks up itself (WANDB_API_KEY, ~/.netrc, its settings) without the network. A ConfigError
+    says what to do."""
+    if not args.track:
+        return
+    from wandb.sdk import wandb_setup
+    from wandb.sdk.lib.wbauth import authenticate
+
+    try:
+        settings = wandb_setup.singleton().settings  # reads WANDB_MODE, WANDB_BASE_URL, ...
+        if (args.wandb_mode or settings.mode) in OFFLINE_WANDB_MODES:
+            return
+        found = authenticate.authenticate_session(host=settings.base_url, source="--track", prompt=False, update_session=False)
+    except Exception as error:  # wandb refuses a malformed WANDB_MODE or WANDB_API_KEY (pydantic's errors span lines)
+        raise ConfigError(f"--track: wandb cannot start: {' '.join(str(error).split())}") from None
+    if found is None:
+        raise ConfigError(
+            "--track: wandb has no API key, so it cannot log online: run `wandb login` (or set WANDB_API_KEY), "
+            "or log offline with WANDB_MODE=offline (or --wandb-mode offline) and upload later with `wandb sync`"
+        )
+
+
 def start_wandb_runs(args: Any, run_dir: Path, name: str | None = None, more_config: dict[str, Any] | None = None) -> list[Any]:
     """The wandb runs, seed 0's first: one per seed with --wandb-run-per-seed (named run_name,
     its seed in the config), else one named after the run dir. Each config holds every arg,
@@ -239,12 +273,12 @@ def start_wandb_runs(args: Any, run_dir: Path, name: str | None = None, more_con
         else:
             run_name = rundir.run_name(args, seed) + ("" if name is None else f"__{name}")
         wandb_run = wandb.init(
-            project=args.wandb_project,
-            entity=args.wandb_entity,
-            group=args.wandb_group or rundir.experiment_name(args),
-            tags=list(args.wandb_tags),
+            project=wandb_project(args),
+            entity=args.wandb_entity,  # None: wandb's WANDB_ENTITY, else the user's default entity
+            group=args.wandb_group or os.environ.get("WANDB_RUN_GROUP") or rundir.experiment_name(args),
+            tags=list(args.wandb_tags) or None,  # None: wandb's WANDB_TAGS
             name=None if resumed_id and seed is not None else run_name,  # a resumed seed's run keeps its first name
-            mode=args.wandb_mode,
+            mode=args.wandb_mode,  # None: wandb's WANDB_MODE, else online
             dir=str(run_dir),
             config=config if seed is None else {**config, "seed": seed},
             id=resumed_id,

@@ -34,6 +34,8 @@ class Session:
         self.args = args
         self.start_time = time.perf_counter()
         self.writes = jax.process_index() == 0  # --distributed: process 0 writes, prints and logs; the others only train
+        if self.writes:
+            logs.check_wandb_can_log(args)  # --track: wandb's API key, or its offline mode
         self.resumable_names = metric_names  # what every row of a resumed run's metrics.jsonl holds
         self.grid = sweeps.parse(args)  # --sweep: its points; else None
         folders = ["."] if self.grid is None else [sweeps.POINT_DIR.format(index=i) for i in range(len(self.grid.points))]

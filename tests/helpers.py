@@ -159,7 +159,7 @@ def check_stopped_run(script: str, run: subprocess.Popen, run_dir: Path, signal_
 
 def read_wandb_offline_run(folder: str | Path) -> dict:
     """What an offline wandb run dir (RUN_DIR/wandb/offline-run-*) holds, read from its
-    run-<id>.wandb file: {"id", "name", "group", "tags", "config", "history" (one dict per
+    run-<id>.wandb file: {"id", "name", "project", "group", "tags", "config", "history" (one dict per
     logged row), "summary"}, each value decoded from JSON. The file is a LevelDB-style log of
     wandb's protobuf records: a 7-byte header, then 32 KiB blocks of chunks, each with a
     7-byte header (checksum, little-endian length, kind: 1 whole, 2 first, 3 middle, 4 last)."""
@@ -189,7 +189,7 @@ def read_wandb_offline_run(folder: str | Path) -> dict:
     for record in records:
         kind = record.WhichOneof("record_type")
         if kind == "run":
-            run.update(id=record.run.run_id, name=record.run.display_name, group=record.run.run_group,
+            run.update(id=record.run.run_id, name=record.run.display_name, project=record.run.project, group=record.run.run_group,
                        tags=list(record.run.tags), config=items(record.run.config.update))
         elif kind == "history":
             run["history"].append(items(record.history.item))

@@ -7,6 +7,7 @@ keys, is tested in test_ppo_mlp.py.)"""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -106,3 +107,51 @@ def test_git_info_is_empty_outside_a_checkout_and_without_git(tmp_path, monkeypa
     assert rundir.git_info(copy) == {}
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert rundir.git_info(ROOT / "ppo_mlp.py") == {}
+
+
+def without_wandb_login(tmp_path: Path, **variables: str) -> dict[str, str]:
+    """The environment of a process with none of wandb's variables and no wandb login (an empty
+    home: no ~/.netrc, no wandb settings), plus `variables`."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("WANDB_") and name != "NETRC"}
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    return {**env, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), **variables}
+
+
+def test_unset_wandb_flags_defer_to_wandbs_variables_and_a_flag_given_wins(tmp_path):
+    tiny = [*TINY["ppo_mlp.py"], "--track"]
+    env = without_wandb_login(tmp_path, WANDB_MODE="offline", WANDB_PROJECT="from-env", WANDB_RUN_GROUP="group-env",
+                              WANDB_TAGS="a,b")
+    result = run_script("ppo_mlp.py", *tiny, "--run-dir", str(tmp_path / "env"), env=env)
+    assert result.returncode == 0, result.stderr
+    (run,) = offline_runs(tmp_path / "env")
+    assert (run["project"], run["group"], run["tags"]) == ("from-env", "group-env", ["a", "b"])
+    assert run["config"]["wandb_mode"] is None and run["config"]["wandb_project"] is None  # the flags as given
+    env = without_wandb_login(tmp_path, WANDB_MODE="online", WANDB_PROJECT="from-env")
+    result = run_script("ppo_mlp.py", *tiny, "--wandb-mode", "offline", "--wandb-project", "from-flag", "--wandb-group", "g",
+                        "--run-dir", str(tmp_path / "flags"), env=env)
+    assert result.returncode == 0, result.stderr
+    (run,) = offline_runs(tmp_path / "flags")
+    assert (run["project"], run["group"]) == ("from-flag", "g")
+
+
+@pytest.mark.parametrize("script", sorted(TINY))
+@pytest.mark.parametrize("mode", [{}, {"WANDB_MODE": "online"}])
+def test_track_online_without_an_api_key_fails_before_compiling_in_one_line(script, mode, tmp_path):
+    result = run_script(script, *TINY[script], "--track", "--run-dir", str(tmp_path / "run"), cwd=tmp_path,
+                        env=without_wandb_login(tmp_path, **mode))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --track: ") and "`wandb login`" in lines[0], lines
+    assert "WANDB_MODE=offline" in lines[0]
+    assert "compiling" not in result.stdout
+    assert not (tmp_path / "run").exists() and not (tmp_path / "runs").exists()
+
+
+def test_a_malformed_wandb_variable_is_one_line(tmp_path):
+    result = run_script("ppo_mlp.py", *TINY["ppo_mlp.py"], "--track", "--run-dir", str(tmp_path / "run"), cwd=tmp_path,
+                        env=without_wandb_login(tmp_path, WANDB_MODE="loud"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --track: wandb cannot start") and "loud" in lines[0], lines
+    assert not (tmp_path / "run").exists()
