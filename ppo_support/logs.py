@@ -18,7 +18,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from . import envs, evaluation, rundir
+from . import contract, envs, evaluation, rundir
 from .errors import ConfigError, WriteError
 
 class HostQueue:
@@ -75,6 +75,10 @@ class MetricsLogger:
         self.tags = tags or {}  # added to every row of metrics.jsonl (a --sweep point's values)
         self.console = console  # print the console line (a --sweep prints one line for its points)
         self.metric_names = metric_names  # the order of the rows' values: the script's run_metric_names
+        # CleanRL's names for three of ours (contract.CLEANRL_NAMES), logged again under them after
+        # ours in every row and wandb step: (CleanRL's name, the index of ours).
+        self.aliases = [(name, metric_names.index(ours)) for name, ours in contract.CLEANRL_NAMES.items() if ours in metric_names]
+        self.logged_names = metric_names + tuple(name for name, _ in self.aliases)  # the names of a row's values, in order
         self.seeds = [args.seed + i for i in range(args.num_seeds)]
         self.path = run_dir / "metrics.jsonl"
         self.file: Any = None
@@ -101,9 +105,11 @@ class MetricsLogger:
         now = time.perf_counter() if now is None else float(now)
         sps = (cycles[-1] - self.last_cycle) * self.args.batch_size * self.args.num_seeds / max(now - self.last_time, 1e-9)
         self.last_time, self.last_cycle = now, cycles[-1]
+        values = np.asarray(values, dtype=np.float64)
+        values = np.concatenate([values, values[:, [index for _, index in self.aliases]]], axis=1)  # + CleanRL's names
         # Plain Python floats, NaN -> None: per-value NumPy calls would cost more than the device's
         # time for a small cycle (docs/performance.md).
-        rows = np.asarray(values, dtype=np.float64).transpose(0, 2, 1).tolist()  # (rows, seeds, metrics)
+        rows = values.transpose(0, 2, 1).tolist()  # (rows, seeds, logged_names)
         self.write_rows(cycles, rows, sps)
         if self.wandb_runs:
             self.log_to_wandb(cycles, rows, sps)
@@ -113,9 +119,9 @@ class MetricsLogger:
 
     def write_rows(self, cycles: list[int], rows: list[list[list[float]]], sps: float) -> None:
         """metrics.jsonl: one line per cycle and seed, the line json.dumps gives of {"cycle",
-        "env_steps", "seed", the tags, "charts/SPS", the metrics; NaN as null}, formatted directly:
+        "env_steps", "seed", the tags, "charts/SPS", the metrics, CleanRL's names; NaN as null}, formatted directly:
         json.dumps of each row was 1.5x slower, and its tail held a TPU run back (docs/accelerators.md)."""
-        keys = [json.dumps(name) + ": " for name in self.metric_names]
+        keys = [json.dumps(name) + ": " for name in self.logged_names]
         fixed = "".join(f", {json.dumps(key)}: {json.dumps(value)}" for key, value in {**self.tags, "charts/SPS": sps}.items())
         lines = []
         for row_cycle, row in zip(cycles, rows):
@@ -176,7 +182,7 @@ class MetricsLogger:
         return [log]
 
     def finite(self, values: list[float], prefix: str = "") -> dict[str, float]:
-        return {prefix + name: value for name, value in zip(self.metric_names, values) if math.isfinite(value)}
+        return {prefix + name: value for name, value in zip(self.logged_names, values) if math.isfinite(value)}
 
     def log_video(self, path: Path, cycle: int) -> None:
         """A video (--capture-video) to wandb, with --track, in seed 0's run: at the env steps of its
@@ -195,7 +201,7 @@ class MetricsLogger:
     def seed_means(self, row: list[list[float]]) -> dict[str, float | None]:
         """Each metric's mean over the seeds where it is finite; None where it is nowhere."""
         columns = [[value for value in column if math.isfinite(value)] for column in zip(*row)]
-        return {name: sum(column) / len(column) if column else None for name, column in zip(self.metric_names, columns)}
+        return {name: sum(column) / len(column) if column else None for name, column in zip(self.logged_names, columns)}
 
     def close(self) -> None:
         if self.file is None:  # never started: a process other than --distributed's process 0

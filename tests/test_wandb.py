@@ -10,12 +10,14 @@ import json
 import os
 import shutil
 import subprocess
+import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from helpers import ROOT, read_wandb_offline_run, run_script
-from ppo_support import rundir
+from ppo_support import contract, logs, rundir
 
 # 4 cycles of 2 seeds each, checkpointed every cycle.
 TINY = {
@@ -155,3 +157,42 @@ def test_a_malformed_wandb_variable_is_one_line(tmp_path):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: --track: wandb cannot start") and "loud" in lines[0], lines
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("script", sorted(TINY))
+def test_cleanrls_names_are_logged_beside_ours_with_the_same_values(script, per_seed_run):
+    run_dir = per_seed_run(script)
+    rows = metrics_rows(run_dir)
+    history = [logged for run in offline_runs(run_dir) for logged in run["history"]]
+    assert len(rows) == len(history) == 8
+    for logged in [*rows, *history]:
+        for cleanrl_name, ours in contract.CLEANRL_NAMES.items():
+            assert logged[cleanrl_name] == logged[ours] and logged[ours] is not None, (cleanrl_name, logged)
+
+
+def test_one_wandb_run_gets_cleanrls_names_as_means_and_per_seed_and_the_console_line_is_unchanged(tmp_path, capsys):
+    names = ("charts/episodic_return", "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/actor_approxkl1",
+             "losses/actor_approxkl3", "losses/actor_clipfrac")
+    args = types.SimpleNamespace(seed=3, num_seeds=2, batch_size=10, num_cycles=1, wandb_run_per_seed=False)
+
+    class WandbRun:
+        def __init__(self):
+            self.logged = []
+
+        def log(self, values, step=None):
+            self.logged.append(values)
+
+    wandb_run = WandbRun()
+    logger = logs.MetricsLogger(args, tmp_path, names)
+    logger.start(0, [wandb_run])
+    values = np.arange(len(names) * 2, dtype=np.float64).reshape(1, len(names), 2)  # (rows, metrics, seeds)
+    logger([1], values, now=1.0)
+    logger.close()
+    rows = metrics_rows(tmp_path)
+    (logged,) = wandb_run.logged
+    for cleanrl_name, ours in contract.CLEANRL_NAMES.items():
+        assert [row[cleanrl_name] for row in rows] == [row[ours] for row in rows] == list(values[0, names.index(ours)])
+        assert logged[cleanrl_name] == logged[ours] == values[0, names.index(ours)].mean()
+        assert logged[f"seed_3/{cleanrl_name}"] == logged[f"seed_3/{ours}"] and logged[f"seed_4/{cleanrl_name}"] == logged[f"seed_4/{ours}"]
+    line = capsys.readouterr().out
+    assert "approx_kl" not in line and "clipfrac" not in line and "approxkl3 " in line
