@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 
 try:
-    from ppo_support import cli, cpu, devices, envs, evaluation, nan_guard, rundir, sessions, sweeps
+    from ppo_support import cli, contract, cpu, devices, envs, evaluation, nan_guard, rundir, sessions, sweeps
 except ModuleNotFoundError as missing:  # a copy of this file away from the repository
     if missing.name != "ppo_support":
         raise
@@ -786,6 +786,7 @@ def minibatch_update(
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(own_params, minibatch, clip_eps, network, args, axis_name)
     loss, metrics, grads = devices.mean_over_devices((loss, metrics, grads), axis_name)
     metrics["losses/grad_norm"] = optax.tree.norm(grads)  # before clipping
+    contract.check_computed_metrics(metrics, MINIBATCH_METRIC_NAMES, "MINIBATCH_METRIC_NAMES", contract.script_name(type(args)))
     updates, opt_state = optimizer.update(grads, carry.opt_state, carry.params)  # clipped, scaled by Adam
     params = optax.apply_updates(carry.params, jax.tree.map(lambda update: -learning_rate * update, updates))
 
