@@ -31,6 +31,7 @@ class Session:
 
     def __init__(self, args: Any, metric_names: tuple[str, ...]):
         contract.check_metric_names(metric_names, args)  # before anything is written
+        rundir.script_source(rundir.script_path(args))  # the script as this run reads it, kept for the run dir
         self.args = args
         self.start_time = time.perf_counter()
         self.writes = jax.process_index() == 0  # --distributed: process 0 writes, prints and logs; the others only train

@@ -6,6 +6,8 @@ keys, is tested in test_ppo_mlp.py.)"""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import os
 import shutil
@@ -196,3 +198,14 @@ def test_one_wandb_run_gets_cleanrls_names_as_means_and_per_seed_and_the_console
         assert logged[f"seed_3/{cleanrl_name}"] == logged[f"seed_3/{ours}"] and logged[f"seed_4/{cleanrl_name}"] == logged[f"seed_4/{ours}"]
     line = capsys.readouterr().out
     assert "approx_kl" not in line and "clipfrac" not in line and "approxkl3 " in line
+
+
+@pytest.mark.parametrize("script", sorted(TINY))
+def test_each_wandb_run_gets_the_script_as_it_ran_as_its_code(script, per_seed_run):
+    run_dir = per_seed_run(script)
+    copy = run_dir / "code" / script
+    assert copy.read_bytes() == (ROOT / script).read_bytes()
+    md5 = base64.b64encode(hashlib.md5(copy.read_bytes()).digest()).decode()
+    for run in offline_runs(run_dir):
+        (artifact,) = run["artifacts"]
+        assert artifact["type"] == "code" and artifact["files"] == {script: md5}
