@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import optax
 
 try:
-    from ppo_support import cli, cpu, devices, envs, evaluation, nan_guard, rundir, sessions, sweeps
+    from ppo_support import cli, contract, cpu, devices, envs, evaluation, nan_guard, rundir, sessions, sweeps
 except ModuleNotFoundError as missing:  # a copy of this file away from the repository
     if missing.name != "ppo_support":
         raise
@@ -111,12 +111,13 @@ class Args:
 
     # --- logging ----------------------------------------------------------------------
     track: bool = False  # log to Weights & Biases
-    wandb_project: str = "ppo-jax"  # wandb project
-    wandb_entity: str | None = None  # wandb entity (team or user)
-    wandb_group: str | None = None  # wandb group; default <env>__<exp-name>
-    wandb_tags: tuple[str, ...] = ()  # wandb tags
+    # The wandb flags left unset defer to wandb's own variables (WANDB_PROJECT, WANDB_MODE, ...).
+    wandb_project: str | None = None  # wandb project; default $WANDB_PROJECT, else ppo-jax
+    wandb_entity: str | None = None  # wandb entity (team or user); default $WANDB_ENTITY, else your default entity
+    wandb_group: str | None = None  # wandb group; default $WANDB_RUN_GROUP, else <env>__<exp-name>
+    wandb_tags: tuple[str, ...] = ()  # wandb tags; default $WANDB_TAGS (comma-separated)
     wandb_run_per_seed: bool = False  # one wandb run per seed, plain metric names (CleanRL's layout); off: seed_<n>/
-    wandb_mode: Literal["online", "offline", "disabled"] = "online"  # offline: RUN_DIR/wandb, for `wandb sync`
+    wandb_mode: Literal["online", "offline", "disabled"] | None = None  # default $WANDB_MODE, else online; offline: for `wandb sync`
     run_dir: str | None = None  # output folder; default runs/<env>__<exp-name>__<seed>__<time>
     log_every_cycles: int = 1  # write metrics every this many cycles (the last cycle is always written)
     eval_every_cycles: int | None = None  # evaluate every K cycles and at the last, on fresh envs (eval/*); None: off
@@ -785,6 +786,7 @@ def minibatch_update(
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(own_params, minibatch, clip_eps, network, args, axis_name)
     loss, metrics, grads = devices.mean_over_devices((loss, metrics, grads), axis_name)
     metrics["losses/grad_norm"] = optax.tree.norm(grads)  # before clipping
+    contract.check_computed_metrics(metrics, MINIBATCH_METRIC_NAMES, "MINIBATCH_METRIC_NAMES", contract.script_name(type(args)))
     updates, opt_state = optimizer.update(grads, carry.opt_state, carry.params)  # clipped, scaled by Adam
     params = optax.apply_updates(carry.params, jax.tree.map(lambda update: -learning_rate * update, updates))
 

@@ -114,7 +114,9 @@ DISTRIBUTED_FLAGS = ("coordinator_address", "num_processes", "process_id")
 def check_wandb_args(args: Any) -> None:
     """The limits wandb.init and its server put on names, checked before anything is compiled."""
     project = args.wandb_project
-    if not project.strip() or len(project) > WANDB_NAME_LIMIT or any(char in project for char in WANDB_PROJECT_FORBIDDEN):
+    if project is not None and (
+        not project.strip() or len(project) > WANDB_NAME_LIMIT or any(char in project for char in WANDB_PROJECT_FORBIDDEN)
+    ):
         raise ConfigError(
             f"--wandb-project must be 1 to {WANDB_NAME_LIMIT} characters, none of {' '.join(WANDB_PROJECT_FORBIDDEN)}; "
             f"got {project!r}"

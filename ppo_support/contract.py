@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from .errors import ConfigError, flag
 
@@ -74,4 +74,25 @@ def check_metric_names(metric_names: tuple[str, ...], args: Any) -> None:
         raise ConfigError(
             f"{script_name(type(args))}: its metric names lack {', '.join(missing)}, which ppo_support reads (the summary "
             "and the console line): log it under that name (ppo_support/contract.py lists what the package reads)"
+        )
+
+
+def check_computed_metrics(computed: Iterable[str], declared: tuple[str, ...], declared_in: str, script: str = "") -> None:
+    """The metrics a script computes are the ones it declares (`declared_in`: the name of its
+    tuple), checked on the dict while the train program is traced, before XLA compiles it: a
+    metric added to the loss but not to its names, or named but never computed, would otherwise
+    fail deep inside JAX as two pytrees that differ."""
+    computed = list(computed)
+    undeclared = [name for name in computed if name not in declared]
+    not_computed = [name for name in declared if name not in computed]
+    prefix = f"{script}: " if script else ""
+    if undeclared:
+        raise ConfigError(
+            f"{prefix}the metric {', '.join(undeclared)} is computed but not declared in {declared_in}: add it there, "
+            "so that it is logged"
+        )
+    if not_computed:
+        raise ConfigError(
+            f"{prefix}{declared_in} declares {', '.join(not_computed)}, which is never computed: compute it or take it "
+            f"out of {declared_in}"
         )

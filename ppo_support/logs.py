@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import queue
 import threading
 import time
@@ -17,8 +18,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from . import envs, evaluation, rundir
-from .errors import WriteError
+from . import contract, envs, evaluation, rundir
+from .errors import ConfigError, WriteError
 
 class HostQueue:
     """Runs the host's writes (the metrics logger, the checkpointer, the video recorder) on one
@@ -74,6 +75,10 @@ class MetricsLogger:
         self.tags = tags or {}  # added to every row of metrics.jsonl (a --sweep point's values)
         self.console = console  # print the console line (a --sweep prints one line for its points)
         self.metric_names = metric_names  # the order of the rows' values: the script's run_metric_names
+        # CleanRL's names for three of ours (contract.CLEANRL_NAMES), logged again under them after
+        # ours in every row and wandb step: (CleanRL's name, the index of ours).
+        self.aliases = [(name, metric_names.index(ours)) for name, ours in contract.CLEANRL_NAMES.items() if ours in metric_names]
+        self.logged_names = metric_names + tuple(name for name, _ in self.aliases)  # the names of a row's values, in order
         self.seeds = [args.seed + i for i in range(args.num_seeds)]
         self.path = run_dir / "metrics.jsonl"
         self.file: Any = None
@@ -100,9 +105,11 @@ class MetricsLogger:
         now = time.perf_counter() if now is None else float(now)
         sps = (cycles[-1] - self.last_cycle) * self.args.batch_size * self.args.num_seeds / max(now - self.last_time, 1e-9)
         self.last_time, self.last_cycle = now, cycles[-1]
+        values = np.asarray(values, dtype=np.float64)
+        values = np.concatenate([values, values[:, [index for _, index in self.aliases]]], axis=1)  # + CleanRL's names
         # Plain Python floats, NaN -> None: per-value NumPy calls would cost more than the device's
         # time for a small cycle (docs/performance.md).
-        rows = np.asarray(values, dtype=np.float64).transpose(0, 2, 1).tolist()  # (rows, seeds, metrics)
+        rows = values.transpose(0, 2, 1).tolist()  # (rows, seeds, logged_names)
         self.write_rows(cycles, rows, sps)
         if self.wandb_runs:
             self.log_to_wandb(cycles, rows, sps)
@@ -112,9 +119,9 @@ class MetricsLogger:
 
     def write_rows(self, cycles: list[int], rows: list[list[list[float]]], sps: float) -> None:
         """metrics.jsonl: one line per cycle and seed, the line json.dumps gives of {"cycle",
-        "env_steps", "seed", the tags, "charts/SPS", the metrics; NaN as null}, formatted directly:
+        "env_steps", "seed", the tags, "charts/SPS", the metrics, CleanRL's names; NaN as null}, formatted directly:
         json.dumps of each row was 1.5x slower, and its tail held a TPU run back (docs/accelerators.md)."""
-        keys = [json.dumps(name) + ": " for name in self.metric_names]
+        keys = [json.dumps(name) + ": " for name in self.logged_names]
         fixed = "".join(f", {json.dumps(key)}: {json.dumps(value)}" for key, value in {**self.tags, "charts/SPS": sps}.items())
         lines = []
         for row_cycle, row in zip(cycles, rows):
@@ -175,7 +182,7 @@ class MetricsLogger:
         return [log]
 
     def finite(self, values: list[float], prefix: str = "") -> dict[str, float]:
-        return {prefix + name: value for name, value in zip(self.metric_names, values) if math.isfinite(value)}
+        return {prefix + name: value for name, value in zip(self.logged_names, values) if math.isfinite(value)}
 
     def log_video(self, path: Path, cycle: int) -> None:
         """A video (--capture-video) to wandb, with --track, in seed 0's run: at the env steps of its
@@ -194,7 +201,7 @@ class MetricsLogger:
     def seed_means(self, row: list[list[float]]) -> dict[str, float | None]:
         """Each metric's mean over the seeds where it is finite; None where it is nowhere."""
         columns = [[value for value in column if math.isfinite(value)] for column in zip(*row)]
-        return {name: sum(column) / len(column) if column else None for name, column in zip(self.metric_names, columns)}
+        return {name: sum(column) / len(column) if column else None for name, column in zip(self.logged_names, columns)}
 
     def close(self) -> None:
         if self.file is None:  # never started: a process other than --distributed's process 0
@@ -219,10 +226,44 @@ def clock(seconds: float) -> str:
     return f"{minutes // 60}:{minutes % 60:02d}:{seconds:02d}"
 
 
+DEFAULT_WANDB_PROJECT = "ppo-jax"  # without --wandb-project and WANDB_PROJECT
+OFFLINE_WANDB_MODES = ("offline", "dryrun", "disabled")  # wandb's modes that need no API key ("dryrun": offline)
+
+
+def wandb_project(args: Any) -> str:
+    """--wandb-project, else wandb's WANDB_PROJECT, else DEFAULT_WANDB_PROJECT."""
+    return args.wandb_project or os.environ.get("WANDB_PROJECT") or DEFAULT_WANDB_PROJECT
+
+
+def check_wandb_can_log(args: Any) -> None:
+    """--track: before anything is compiled, that wandb can log in the mode the run asks for
+    (--wandb-mode, else wandb's WANDB_MODE, else online): online, it needs an API key, which wandb
+    looks up itself (WANDB_API_KEY, ~/.netrc, its settings) without the network. A ConfigError
+    says what to do."""
+    if not args.track:
+        return
+    from wandb.sdk import wandb_setup
+    from wandb.sdk.lib.wbauth import authenticate
+
+    try:
+        settings = wandb_setup.singleton().settings  # reads WANDB_MODE, WANDB_BASE_URL, ...
+        if (args.wandb_mode or settings.mode) in OFFLINE_WANDB_MODES:
+            return
+        found = authenticate.authenticate_session(host=settings.base_url, source="--track", prompt=False, update_session=False)
+    except Exception as error:  # wandb refuses a malformed WANDB_MODE or WANDB_API_KEY (pydantic's errors span lines)
+        raise ConfigError(f"--track: wandb cannot start: {' '.join(str(error).split())}") from None
+    if found is None:
+        raise ConfigError(
+            "--track: wandb has no API key, so it cannot log online: run `wandb login` (or set WANDB_API_KEY), "
+            "or log offline with WANDB_MODE=offline (or --wandb-mode offline) and upload later with `wandb sync`"
+        )
+
+
 def start_wandb_runs(args: Any, run_dir: Path, name: str | None = None, more_config: dict[str, Any] | None = None) -> list[Any]:
     """The wandb runs, seed 0's first: one per seed with --wandb-run-per-seed (named run_name,
     its seed in the config), else one named after the run dir. Each config holds every arg,
-    the script (rundir.script_info) and its git commit; the group defaults to rundir.experiment_name. Each run's id is kept in
+    the script (rundir.script_info) and its git commit, and its code is the script's copy in
+    RUN_DIR/code; the group defaults to rundir.experiment_name. Each run's id is kept in
     RUN_DIR (wandb_id.txt, or wandb_id_seed_<seed>.txt), so that --resume continues it. name and
     more_config: a --sweep point's run name (in place of the run dir's) and its swept values."""
     import wandb
@@ -239,12 +280,12 @@ def start_wandb_runs(args: Any, run_dir: Path, name: str | None = None, more_con
         else:
             run_name = rundir.run_name(args, seed) + ("" if name is None else f"__{name}")
         wandb_run = wandb.init(
-            project=args.wandb_project,
-            entity=args.wandb_entity,
-            group=args.wandb_group or rundir.experiment_name(args),
-            tags=list(args.wandb_tags),
+            project=wandb_project(args),
+            entity=args.wandb_entity,  # None: wandb's WANDB_ENTITY, else the user's default entity
+            group=args.wandb_group or os.environ.get("WANDB_RUN_GROUP") or rundir.experiment_name(args),
+            tags=list(args.wandb_tags) or None,  # None: wandb's WANDB_TAGS
             name=None if resumed_id and seed is not None else run_name,  # a resumed seed's run keeps its first name
-            mode=args.wandb_mode,
+            mode=args.wandb_mode,  # None: wandb's WANDB_MODE, else online
             dir=str(run_dir),
             config=config if seed is None else {**config, "seed": seed},
             id=resumed_id,
@@ -252,6 +293,8 @@ def start_wandb_runs(args: Any, run_dir: Path, name: str | None = None, more_con
             reinit="create_new",  # several runs at once in this process
         )
         id_file.write_text(wandb_run.id)
+        if (run_dir / rundir.CODE_DIR).is_dir():  # the script as the run ran it (rundir.write_args), as the run's code
+            wandb_run.log_code(root=str(run_dir / rundir.CODE_DIR), name=f"source-{rundir.script_path(args).stem}")
         wandb_runs.append(wandb_run)
     return wandb_runs
 

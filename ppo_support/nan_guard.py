@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import contract
+
 NON_FINITE_CHECKS = ("none", "loss", "gradient", "parameters")  # code 0: every check passed
 
 
@@ -44,14 +46,20 @@ def guard_non_finite(state: Any, params: Any, opt_state: Any, non_finite: jax.Ar
 
 
 def skip_when_every_seed_failed(cycle_of_every_seed: Callable, metric_names: tuple[str, ...]) -> Callable:
-    """Once every seed has failed, a cycle only counts itself and logs NaN (costs nothing)."""
+    """Once every seed has failed, a cycle only counts itself and logs NaN (costs nothing). The
+    cycle's metrics must be metric_names, no more, no fewer (contract.check_computed_metrics)."""
 
     def skip(states: Any) -> tuple[Any, dict[str, jax.Array]]:
         nan = jnp.full(states.cycle.shape, jnp.nan)
         return states._replace(cycle=states.cycle + 1), {name: nan for name in metric_names}
 
+    def checked_cycle(states: Any) -> tuple[Any, dict[str, jax.Array]]:
+        states, metrics = cycle_of_every_seed(states)
+        contract.check_computed_metrics(metrics, metric_names, "METRIC_NAMES (or the env's names)")  # while tracing
+        return states, metrics
+
     def cycle(states: Any) -> tuple[Any, dict[str, jax.Array]]:
-        return jax.lax.cond(jnp.all(states.non_finite > 0), skip, cycle_of_every_seed, states)
+        return jax.lax.cond(jnp.all(states.non_finite > 0), skip, checked_cycle, states)
 
     return cycle
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import glob
 import hashlib
 import json
@@ -35,7 +36,8 @@ RESUMABLE_FIELDS = (
     "compilation_cache_dir",  # where compiled programs are kept: the same programs
 )
 # What args.json holds beside the Args (script_info).
-RUN_INFO_KEYS = ("script", "script_path", "ppo_support_version", "ppo_support_commit")
+RUN_INFO_KEYS = ("script", "script_path", "script_sha256", "ppo_support_version", "ppo_support_commit", "ppo_support_sha256")
+CODE_DIR = "code"  # RUN_DIR/code/<script>: the script file as the run ran it (a new run's; --resume keeps it)
 
 
 class DamagedFile(ValueError):
@@ -53,15 +55,58 @@ def script_path(args: Any) -> Path:
 
 def script_info(args: Any) -> dict[str, Any]:
     """Which code wrote a run: the script (args.json records it, so that the tools in scripts/
-    load this file, or a renamed copy of it, to read the run), and this package's version and
-    the git commit of its checkout ("-dirty" when its tracked files differ; None outside one)."""
+    load this file, or a renamed copy of it, to read the run) and the SHA-256 of the file as this
+    process read it (script_source; its copy is RUN_DIR/code/<script>), and this package's
+    version, the git commit of its checkout ("-dirty" when its tracked files differ; None outside
+    one) and the hash of its files (package_sha256), which holds outside git too."""
     path = script_path(args)
     package_git = git_info(Path(__file__).resolve().parent)
     commit = package_git.get("git_commit")
     if commit and package_git.get("git_dirty"):
         commit += "-dirty"
-    return {"script": path.name, "script_path": str(path), "ppo_support_version": __version__,
-            "ppo_support_commit": commit}
+    return {"script": path.name, "script_path": str(path), "script_sha256": sha256(script_source(path)),
+            "ppo_support_version": __version__, "ppo_support_commit": commit, "ppo_support_sha256": package_sha256()}
+
+
+@functools.cache
+def script_source(path: Path) -> bytes:
+    """The script file's bytes, read once per process: a session reads them before it compiles,
+    so an edit made while the run compiles or trains is not what the run dir records."""
+    return Path(path).read_bytes()
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@functools.cache
+def package_sha256() -> str:
+    """SHA-256 over this package's .py files, sorted by name: each file's name, a NUL byte, its
+    bytes and a NUL byte."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(__file__).resolve().parent.glob("*.py")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def saved_script(run_dir: Path, run_info: dict[str, Any]) -> Path:
+    """Where a run dir keeps the copy of its script (CODE_DIR)."""
+    return Path(run_dir) / CODE_DIR / str(run_info.get("script"))
+
+
+def script_change(run_dir: Path, args_class: type) -> str | None:
+    """When the run's args.json records its script's hash (script_sha256) and the script of
+    args_class no longer matches it: a sentence that says so and names both files; else None
+    (old run dirs, which have no hash, included)."""
+    try:
+        run_info = read_json_object(Path(run_dir) / "args.json")
+    except DamagedFile:
+        return None
+    path = script_path(args_class)
+    if "script_sha256" not in run_info or run_info["script_sha256"] == sha256(script_source(path)):
+        return None
+    return (f"{path} has changed since the run: it no longer matches the copy the run saved, "
+            f"{saved_script(run_dir, run_info)}")
 
 
 def git_info(path: Path) -> dict[str, Any]:
@@ -82,7 +127,12 @@ def git_info(path: Path) -> dict[str, Any]:
 
 
 def write_args(run_dir: Path, args: Any) -> None:
-    (run_dir / "args.json").write_text(json.dumps({**script_info(args), **dataclasses.asdict(args)}, indent=2) + "\n")
+    """args.json, and the script as this process ran it in RUN_DIR/code/ (CODE_DIR)."""
+    run_info = script_info(args)
+    (run_dir / "args.json").write_text(json.dumps({**run_info, **dataclasses.asdict(args)}, indent=2) + "\n")
+    copy = saved_script(run_dir, run_info)
+    copy.parent.mkdir(exist_ok=True)
+    copy.write_bytes(script_source(script_path(args)))
 
 
 def read_json_object(path: Path) -> dict[str, Any]:
@@ -308,6 +358,9 @@ def prepare_resume(args: Any, metric_names: tuple[str, ...], folders: list[str] 
             )
     if (run_dir / "summary.json").exists():
         raise ConfigError(f"--resume {run_dir}: that run already finished")
+    change = script_change(run_dir, type(args))
+    if change:  # resuming with a fixed script is allowed; the saved copy stays the one the run started with
+        print(f"warning: {change}; resuming with the script as it is now", file=sys.stderr)
     # An interrupted run (INTERRUPTED_FILE) resumes like a killed one, from its newest checkpoint.
     for folder in folders:
         read_resumable_rows(run_dir / folder / "metrics.jsonl", metric_names)
@@ -380,7 +433,14 @@ def load_params(run_dir: Path, args_class: type, template: Callable[[Any], Any])
     alone; template(args) gives one seed's parameters, shaped as the run's."""
     args = args_from_json(run_dir / "args.json", args_class)
     one_seed = template(args)
-    return args, read_msgpack(run_dir / "params.msgpack", jax.tree.map(lambda x: jnp.stack([x] * args.num_seeds), one_seed))
+    path = run_dir / "params.msgpack"
+    try:
+        return args, read_msgpack(path, jax.tree.map(lambda x: jnp.stack([x] * args.num_seeds), one_seed))
+    except ConfigError:
+        change = path.exists() and script_change(run_dir, args_class)
+        if change:  # the file is fine: the network it is read into is not the run's
+            raise ConfigError(f"{path} does not load: {change}") from None
+        raise
 
 
 def final_returns(args: Any, episodic_return: np.ndarray) -> list[float | None]:

@@ -31,9 +31,12 @@ class Session:
 
     def __init__(self, args: Any, metric_names: tuple[str, ...]):
         contract.check_metric_names(metric_names, args)  # before anything is written
+        rundir.script_source(rundir.script_path(args))  # the script as this run reads it, kept for the run dir
         self.args = args
         self.start_time = time.perf_counter()
         self.writes = jax.process_index() == 0  # --distributed: process 0 writes, prints and logs; the others only train
+        if self.writes:
+            logs.check_wandb_can_log(args)  # --track: wandb's API key, or its offline mode
         self.resumable_names = metric_names  # what every row of a resumed run's metrics.jsonl holds
         self.grid = sweeps.parse(args)  # --sweep: its points; else None
         folders = ["."] if self.grid is None else [sweeps.POINT_DIR.format(index=i) for i in range(len(self.grid.points))]

@@ -159,8 +159,8 @@ def check_stopped_run(script: str, run: subprocess.Popen, run_dir: Path, signal_
 
 def read_wandb_offline_run(folder: str | Path) -> dict:
     """What an offline wandb run dir (RUN_DIR/wandb/offline-run-*) holds, read from its
-    run-<id>.wandb file: {"id", "name", "group", "tags", "config", "history" (one dict per
-    logged row), "summary"}, each value decoded from JSON. The file is a LevelDB-style log of
+    run-<id>.wandb file: {"id", "name", "project", "group", "tags", "config", "history" (one dict per
+    logged row), "summary", "artifacts"}, each value decoded from JSON. The file is a LevelDB-style log of
     wandb's protobuf records: a 7-byte header, then 32 KiB blocks of chunks, each with a
     7-byte header (checksum, little-endian length, kind: 1 whole, 2 first, 3 middle, 4 last)."""
     import json
@@ -185,16 +185,19 @@ def read_wandb_offline_run(folder: str | Path) -> dict:
     def items(updates) -> dict:
         return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in updates}
 
-    run = {"history": [], "summary": {}}
+    run = {"history": [], "summary": {}, "artifacts": []}
     for record in records:
         kind = record.WhichOneof("record_type")
         if kind == "run":
-            run.update(id=record.run.run_id, name=record.run.display_name, group=record.run.run_group,
+            run.update(id=record.run.run_id, name=record.run.display_name, project=record.run.project, group=record.run.run_group,
                        tags=list(record.run.tags), config=items(record.run.config.update))
         elif kind == "history":
             run["history"].append(items(record.history.item))
         elif kind == "summary":
             run["summary"].update(items(record.summary.update))
+        elif kind == "artifact":  # {"type", "name", "files": {path: its MD5, base64}}
+            files = {entry.path: entry.digest for entry in record.artifact.manifest.contents}
+            run["artifacts"].append({"type": record.artifact.type, "name": record.artifact.name, "files": files})
     return run
 
 

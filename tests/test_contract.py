@@ -76,3 +76,34 @@ def test_a_copy_without_a_field_or_a_metric_the_package_reads_gets_one_line_and_
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: my_ppo.py: ") and named in lines[0], lines
     assert not (tmp_path / "run").exists()
+
+
+TINY = {
+    "ppo_mlp.py": ["--num-parallel-envs", "4", "--num-env-steps-per-cycle", "16", "--num-total-env-steps", "256"],
+    "ppo_lstm_impala.py": ["--env-id", "probe_envs:Memory", "--impala-channels", "4", "--torso-size", "16", "--lstm-size", "16",
+                           "--num-parallel-envs", "4", "--num-env-steps-per-cycle", "10", "--num-minibatches-per-epoch", "2",
+                           "--num-total-env-steps", "160"],
+}
+ADD_TO_THE_LOSS = ("    return total, metrics\n",
+                   '    metrics["losses/logit_l2"] = (logits ** 2).mean()\n    return total, metrics\n')
+DECLARE_ONLY = ('"losses/actor_approxkl3", "losses/grad_norm")', '"losses/actor_approxkl3", "losses/grad_norm", "losses/logit_l2")')
+ADD_TO_THE_CYCLE = ('    metrics["losses/explained_variance"] = ',
+                    '    metrics["losses/logit_l2"] = jnp.float32(0.0)\n    metrics["losses/explained_variance"] = ')
+
+
+@pytest.mark.parametrize("script", ["ppo_mlp.py", "ppo_lstm_impala.py"])
+@pytest.mark.parametrize("edit, expected", [
+    (ADD_TO_THE_LOSS, "the metric losses/logit_l2 is computed but not declared in MINIBATCH_METRIC_NAMES"),
+    (DECLARE_ONLY, "MINIBATCH_METRIC_NAMES declares losses/logit_l2, which is never computed"),
+    (ADD_TO_THE_CYCLE, "the metric losses/logit_l2 is computed but not declared in METRIC_NAMES"),
+], ids=["computed-not-declared", "declared-not-computed", "cycle-metric-not-declared"])
+def test_a_copy_whose_metrics_differ_from_its_declared_names_gets_one_line_naming_the_metric(script, edit, expected, tmp_path):
+    text = (ROOT / script).read_text()
+    assert text.count(edit[0]) == 1
+    copy = tmp_path / "my_ppo.py"
+    copy.write_text(text.replace(*edit))
+    result = run_script(copy, *TINY[script], "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+    assert not (tmp_path / "run").exists()

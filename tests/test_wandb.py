@@ -6,15 +6,20 @@ keys, is tested in test_ppo_mlp.py.)"""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
+import os
 import shutil
 import subprocess
+import types
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from helpers import ROOT, read_wandb_offline_run, run_script
-from ppo_support import rundir
+from ppo_support import contract, logs, rundir
 
 # 4 cycles of 2 seeds each, checkpointed every cycle.
 TINY = {
@@ -106,3 +111,101 @@ def test_git_info_is_empty_outside_a_checkout_and_without_git(tmp_path, monkeypa
     assert rundir.git_info(copy) == {}
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
     assert rundir.git_info(ROOT / "ppo_mlp.py") == {}
+
+
+def without_wandb_login(tmp_path: Path, **variables: str) -> dict[str, str]:
+    """The environment of a process with none of wandb's variables and no wandb login (an empty
+    home: no ~/.netrc, no wandb settings), plus `variables`."""
+    env = {name: value for name, value in os.environ.items() if not name.startswith("WANDB_") and name != "NETRC"}
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    return {**env, "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"), **variables}
+
+
+def test_unset_wandb_flags_defer_to_wandbs_variables_and_a_flag_given_wins(tmp_path):
+    tiny = [*TINY["ppo_mlp.py"], "--track"]
+    env = without_wandb_login(tmp_path, WANDB_MODE="offline", WANDB_PROJECT="from-env", WANDB_RUN_GROUP="group-env",
+                              WANDB_TAGS="a,b")
+    result = run_script("ppo_mlp.py", *tiny, "--run-dir", str(tmp_path / "env"), env=env)
+    assert result.returncode == 0, result.stderr
+    (run,) = offline_runs(tmp_path / "env")
+    assert (run["project"], run["group"], run["tags"]) == ("from-env", "group-env", ["a", "b"])
+    assert run["config"]["wandb_mode"] is None and run["config"]["wandb_project"] is None  # the flags as given
+    env = without_wandb_login(tmp_path, WANDB_MODE="online", WANDB_PROJECT="from-env")
+    result = run_script("ppo_mlp.py", *tiny, "--wandb-mode", "offline", "--wandb-project", "from-flag", "--wandb-group", "g",
+                        "--run-dir", str(tmp_path / "flags"), env=env)
+    assert result.returncode == 0, result.stderr
+    (run,) = offline_runs(tmp_path / "flags")
+    assert (run["project"], run["group"]) == ("from-flag", "g")
+
+
+@pytest.mark.parametrize("script", sorted(TINY))
+@pytest.mark.parametrize("mode", [{}, {"WANDB_MODE": "online"}])
+def test_track_online_without_an_api_key_fails_before_compiling_in_one_line(script, mode, tmp_path):
+    result = run_script(script, *TINY[script], "--track", "--run-dir", str(tmp_path / "run"), cwd=tmp_path,
+                        env=without_wandb_login(tmp_path, **mode))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --track: ") and "`wandb login`" in lines[0], lines
+    assert "WANDB_MODE=offline" in lines[0]
+    assert "compiling" not in result.stdout
+    assert not (tmp_path / "run").exists() and not (tmp_path / "runs").exists()
+
+
+def test_a_malformed_wandb_variable_is_one_line(tmp_path):
+    result = run_script("ppo_mlp.py", *TINY["ppo_mlp.py"], "--track", "--run-dir", str(tmp_path / "run"), cwd=tmp_path,
+                        env=without_wandb_login(tmp_path, WANDB_MODE="loud"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: --track: wandb cannot start") and "loud" in lines[0], lines
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("script", sorted(TINY))
+def test_cleanrls_names_are_logged_beside_ours_with_the_same_values(script, per_seed_run):
+    run_dir = per_seed_run(script)
+    rows = metrics_rows(run_dir)
+    history = [logged for run in offline_runs(run_dir) for logged in run["history"]]
+    assert len(rows) == len(history) == 8
+    for logged in [*rows, *history]:
+        for cleanrl_name, ours in contract.CLEANRL_NAMES.items():
+            assert logged[cleanrl_name] == logged[ours] and logged[ours] is not None, (cleanrl_name, logged)
+
+
+def test_one_wandb_run_gets_cleanrls_names_as_means_and_per_seed_and_the_console_line_is_unchanged(tmp_path, capsys):
+    names = ("charts/episodic_return", "losses/policy_loss", "losses/value_loss", "losses/entropy", "losses/actor_approxkl1",
+             "losses/actor_approxkl3", "losses/actor_clipfrac")
+    args = types.SimpleNamespace(seed=3, num_seeds=2, batch_size=10, num_cycles=1, wandb_run_per_seed=False)
+
+    class WandbRun:
+        def __init__(self):
+            self.logged = []
+
+        def log(self, values, step=None):
+            self.logged.append(values)
+
+    wandb_run = WandbRun()
+    logger = logs.MetricsLogger(args, tmp_path, names)
+    logger.start(0, [wandb_run])
+    values = np.arange(len(names) * 2, dtype=np.float64).reshape(1, len(names), 2)  # (rows, metrics, seeds)
+    logger([1], values, now=1.0)
+    logger.close()
+    rows = metrics_rows(tmp_path)
+    (logged,) = wandb_run.logged
+    for cleanrl_name, ours in contract.CLEANRL_NAMES.items():
+        assert [row[cleanrl_name] for row in rows] == [row[ours] for row in rows] == list(values[0, names.index(ours)])
+        assert logged[cleanrl_name] == logged[ours] == values[0, names.index(ours)].mean()
+        assert logged[f"seed_3/{cleanrl_name}"] == logged[f"seed_3/{ours}"] and logged[f"seed_4/{cleanrl_name}"] == logged[f"seed_4/{ours}"]
+    line = capsys.readouterr().out
+    assert "approx_kl" not in line and "clipfrac" not in line and "approxkl3 " in line
+
+
+@pytest.mark.parametrize("script", sorted(TINY))
+def test_each_wandb_run_gets_the_script_as_it_ran_as_its_code(script, per_seed_run):
+    run_dir = per_seed_run(script)
+    copy = run_dir / "code" / script
+    assert copy.read_bytes() == (ROOT / script).read_bytes()
+    md5 = base64.b64encode(hashlib.md5(copy.read_bytes()).digest()).decode()
+    for run in offline_runs(run_dir):
+        (artifact,) = run["artifacts"]
+        assert artifact["type"] == "code" and artifact["files"] == {script: md5}
