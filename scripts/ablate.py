@@ -15,7 +15,7 @@ DIR/ablation.png (bars) and DIR/learning_curves.png.
 Final return: per seed, the mean episodic return over the last 10% of cycles (the script's
 summary.json); AUC: per seed, the mean episodic return over all cycles. Both as mean ± sample
 std over seeds, relative to the baseline's mean, and as Agarwal et al. (2021) recommend (see
-stats.py): the interquartile mean (IQM) over seeds with a 95% bootstrap confidence interval, and
+runlib.py): the interquartile mean (IQM) over seeds with a 95% bootstrap confidence interval, and
 the probability of improvement P(detail > baseline), the chance that a random seed of the detail
 beats a random seed of the baseline (ties count half). A detail is marked a finding (`lower
 final`, `higher AUC`, ...) only when its IQM's CI excludes the baseline's IQM.
@@ -30,29 +30,30 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plot import default_window, draw_curve  # noqa: E402
-from stats import bootstrap_ci, finite_scores, interquartile_mean, probability_of_improvement  # noqa: E402
-from runs import (  # noqa: E402
+from runlib import (  # noqa: E402
     ROOT,
     area_under_curve,
+    bootstrap_ci,
     check_out_dir,
+    default_window,
+    draw_curve,
+    finite_scores,
     flags_for,
     fmt,
+    interquartile_mean,
     mean_std,
     metric_table,
+    probability_of_improvement,
+    pyplot,
     read_run,
     run_once,
     script_defaults,
     split_passthrough,
 )
-from ppo_support import sweeps  # noqa: E402  (runs put the repository on the path)
+from ppo_support import sweeps  # noqa: E402  (runlib put the repository on the path)
 
 HUGE_GRAD_NORM = 1e9  # global-norm clipping never triggers
 
@@ -255,6 +256,7 @@ def write_outputs(out_dir: Path, rows: list[dict[str, Any]], header: str) -> Non
     (out_dir / "ablation.md").write_text("\n".join(lines) + "\n")
 
     finished = [row for row in rows if "final" in row]
+    plt = pyplot()
     figure, axes = plt.subplots(1, 2, figsize=(11, 0.38 * len(finished) + 1.6), sharey=True)
     positions = np.arange(len(finished))[::-1]
     for ax, key, title in zip(axes, ["final", "auc"], ["final return (last 10% of cycles)", "AUC (mean return over all cycles)"]):
@@ -277,6 +279,7 @@ def write_outputs(out_dir: Path, rows: list[dict[str, Any]], header: str) -> Non
 def plot_against_baseline(rows: list[dict[str, Any]], out: Path, metric: str = "charts/episodic_return") -> None:
     """One panel per detail: its learning curve against the baseline's (mean ± std over seeds)."""
     baseline, details = rows[0], rows[1:] or rows[:1]
+    plt = pyplot()
     window = default_window([row["run"] for row in rows])
     num_columns = min(len(details), 4)
     num_rows = math.ceil(len(details) / num_columns)

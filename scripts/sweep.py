@@ -22,8 +22,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plot import AUTO_WINDOW, plot_runs  # noqa: E402
-from runs import ROOT, check_out_dir, fmt, read_run, run_once, script_defaults, split_passthrough, wall_seconds  # noqa: E402
+from runlib import (  # noqa: E402
+    AUTO_WINDOW, ROOT, check_out_dir, fmt, plot_runs, read_run, run_once, script_defaults, split_passthrough, wall_seconds,
+)
 
 # (Args field, folder-name prefix) of each swept axis.
 AXES = (

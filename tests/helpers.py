@@ -151,9 +151,9 @@ def check_stopped_run(script: str, run: subprocess.Popen, run_dir: Path, signal_
         for index, leaf in enumerate(jax.tree.leaves(params)):
             np.testing.assert_array_equal(leaf, checkpoint[f"leaf_{index}"])
     sys.path.insert(0, str(ROOT / "scripts"))
-    import runs
+    import runlib
 
-    assert not runs.is_finished(run_dir) and runs.read_run(run_dir).summary is None
+    assert not runlib.is_finished(run_dir) and runlib.read_run(run_dir).summary is None
     return cycle
 
 

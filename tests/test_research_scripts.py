@@ -17,7 +17,7 @@ import pytest
 from helpers import ROOT, run_script, run_tool
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from runs import differing_labels, load_module, load_script_for_run, metric_table, read_run, script_path_for_run  # noqa: E402
+from runlib import differing_labels, load_module, load_script_for_run, metric_table, read_run, script_path_for_run  # noqa: E402
 from ppo_support import devices, envs
 
 TINY = ["--num-total-env-steps", "256", "--num-seeds", "2"]
@@ -126,7 +126,7 @@ def test_null_returns_are_missing_values_not_zeros(tmp_path):
 
 def test_ablate_flips_normalisation_sticky_actions_and_the_torso_where_the_script_has_them():
     import ablate
-    from runs import script_defaults
+    from runlib import script_defaults
 
     details = {detail.name: detail for detail in ablate.DETAILS}
     expected = {  # detail: (ppo_mlp.py's flags or None when skipped, ppo_lstm_impala.py's)
