@@ -40,10 +40,12 @@ from runlib import (  # noqa: E402
     check_out_dir,
     default_window,
     draw_curve,
+    env_ids,
     finite_scores,
     flags_for,
     fmt,
     interquartile_mean,
+    label_axes,
     mean_std,
     metric_table,
     probability_of_improvement,
@@ -268,7 +270,8 @@ def write_outputs(out_dir: Path, rows: list[dict[str, Any]], header: str) -> Non
         ax.set_title(title, fontsize=9)
         ax.grid(axis="x", alpha=0.3)
     axes[0].set_yticks(positions, [row["detail"] for row in finished], fontsize=8)
-    figure.suptitle(f"mean ± std over {baseline['num_seeds']} seeds; dashed: baseline", fontsize=9)
+    figure.suptitle(f"{env_ids([row['run'] for row in finished])}: mean ± std over {baseline['num_seeds']} seeds; "
+                    "dashed: baseline", fontsize=9)
     figure.tight_layout()
     figure.savefig(out_dir / "ablation.png", dpi=110)
     plt.close(figure)
@@ -286,17 +289,17 @@ def plot_against_baseline(rows: list[dict[str, Any]], out: Path, metric: str = "
     figure, axes = plt.subplots(num_rows, num_columns, figsize=(3.6 * num_columns, 2.6 * num_rows + 0.5),
                                 sharex=True, sharey=True, squeeze=False)
     base_steps, base_values, _ = metric_table(baseline["run"], metric)
-    for ax, row in zip(axes.flat, details):
+    for index, (ax, row) in enumerate(zip(axes.flat, details)):
         draw_curve(ax, base_steps, base_values, "baseline", "std", window, color="tab:gray")
         env_steps, values, _ = metric_table(row["run"], metric)
         draw_curve(ax, env_steps, values, row["detail"], "std", window, color="tab:blue")
         ax.set_title(f"{row['detail']}: {row['change']}", fontsize=8)
-        ax.grid(alpha=0.3)
-        ax.tick_params(labelsize=7)
+        first_column, last_row = index % num_columns == 0, index >= len(details) - num_columns
+        label_axes(ax, "env steps (per seed)" if last_row else "", metric if first_column else None)
     for ax in list(axes.flat)[len(details) :]:
         ax.axis("off")
     smoothing = f", moving average of {window} cycles" if window > 1 else ""
-    figure.suptitle(f"{metric} vs env steps per seed; blue: detail flipped, gray: baseline; "
+    figure.suptitle(f"{env_ids([row['run'] for row in rows])}: {metric}; blue: detail flipped, gray: baseline; "
                     f"mean ± std over {baseline['num_seeds']} seeds{smoothing}", fontsize=9)
     figure.tight_layout()
     figure.savefig(out, dpi=110)

@@ -4,9 +4,11 @@
     python scripts/plot.py runs/a runs/b --out kl.png --metric losses/actor_approxkl3 --band minmax
     python scripts/plot.py runs/a --out debug.png --debug-grid --smooth 20
     python scripts/plot.py runs/a runs/b --out curves.png --ci bootstrap
+    python scripts/plot.py runs/a runs/b --out fig.pdf --title "CartPole-v1, 5 seeds" --labels PPO "PPO, no clip"
 
 One curve per run dir (a --sweep's run dir: one per point), labelled by the args that differ
-between the run dirs' args.json (e.g. `clip_eps=0.1`). Cycles in which no episode finished have a null return: they are skipped, never
+between the run dirs' args.json (e.g. `clip_eps=0.1`), or by --labels. The title is the env id
+(or --title), the x ticks read 100k, 1M, ..., and the legend sits below the axes. Cycles in which no episode finished have a null return: they are skipped, never
 plotted as 0. The band is ±1 std over seeds (default), min-max over seeds (--band minmax), or
 with --ci bootstrap the 95% percentile bootstrap confidence interval of the mean over seeds
 (2000 resamples of the seeds, fixed RNG seed; see runlib.py).
@@ -19,7 +21,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runlib import Run, UnsafeScript, differing_labels, load_script_for_run, plot_runs, read_runs, rundir  # noqa: E402
+from runlib import (  # noqa: E402
+    Run, UnsafeScript, has_metric, load_script_for_run, logged_metrics, plot_runs, read_runs, run_labels, rundir,
+)
 
 
 def debug_metric_names(runs: list[Run], script: Path | None = None) -> tuple[str, ...]:
@@ -32,7 +36,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dirs", nargs="+", type=Path, metavar="RUN_DIR")
     parser.add_argument("--out", type=Path, required=True, help="the image to write, e.g. curves.png")
-    parser.add_argument("--metric", default="charts/episodic_return", help="a metrics.jsonl key")
+    parser.add_argument("--metric", default="charts/episodic_return",
+                        help="a metrics.jsonl key; CleanRL's name of one of ours is taken too, on run dirs that lack it "
+                             "(losses/approx_kl for losses/actor_approxkl3, ...)")
     parser.add_argument("--band", choices=["std", "minmax"], help="band over seeds (default std)")
     parser.add_argument("--ci", choices=["bootstrap"],
                         help="shade the 95%% bootstrap confidence interval of the mean over seeds instead of --band")
@@ -41,6 +47,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="--debug-grid: the training script to read METRIC_NAMES from (default: the one args.json records)")
     parser.add_argument("--smooth", type=int, default=1, metavar="CYCLES",
                         help="moving average over this many logged cycles, per seed (default 1: none; 0: 1%% of each run's cycles)")
+    parser.add_argument("--title", help="the figure's title (default: the env ids)")
+    parser.add_argument("--labels", nargs="+", metavar="LABEL",
+                        help="one legend label per run dir, in order (a --sweep's run dir: one per point; default: the "
+                             "args that differ between the runs)")
     options = parser.parse_args(argv)
     if options.ci and options.band:
         parser.error(f"--ci {options.ci} and --band {options.band} are two bands: give one")
@@ -60,12 +70,15 @@ def main(argv: list[str] | None = None) -> int:
             debug_metrics = debug_metric_names(runs, options.script)
         except (FileNotFoundError, UnsafeScript) as error:
             parser.error(f"--debug-grid: {runs[0].path}: {error}")
-    elif not any(options.metric in row for run in runs for row in run.rows):
-        known = sorted({key for run in runs for row in run.rows for key in row} - {"cycle", "env_steps", "seed"})
-        parser.error(f"--metric {options.metric} is not in metrics.jsonl; choose from {', '.join(known)}")
-    labels = differing_labels([run.args for run in runs], [run.path.name for run in runs])
+    elif not any(has_metric(run, options.metric) for run in runs):
+        parser.error(f"--metric {options.metric} is not in metrics.jsonl; choose from {', '.join(logged_metrics(runs))}")
+    try:
+        labels = run_labels(runs, options.labels)
+    except ValueError as error:
+        parser.error(str(error))
     band = options.ci or options.band or "std"
-    plot_runs(runs, options.out, options.metric, band, labels=labels, debug_metrics=debug_metrics, window=options.smooth)
+    plot_runs(runs, options.out, metric=options.metric, band=band, labels=labels, debug_metrics=debug_metrics,
+              window=options.smooth, title=options.title)
     print(f"wrote {options.out}: {'; '.join(labels)}")
     return 0
 

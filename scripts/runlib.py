@@ -33,7 +33,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository: the training scripts and ppo_support
 sys.path.insert(1, str(ROOT))  # the tools' own ppo_support: the one beside the scripts of this repository
-from ppo_support import rundir  # noqa: E402
+from ppo_support import contract, rundir  # noqa: E402
 
 PACKAGE = "ppo_support"
 
@@ -255,8 +255,36 @@ def read_runs(run_dir: str | Path) -> list[Run]:
     return [read_run(run_dir)]
 
 
+# Each of our metrics that CleanRL names otherwise, to its other name, both ways (CleanRL's
+# `losses/approx_kl` is our `losses/actor_approxkl3`, ...): the tools take either name.
+METRIC_ALIASES = {**contract.CLEANRL_NAMES, **{ours: cleanrl for cleanrl, ours in contract.CLEANRL_NAMES.items()}}
+
+
+def logged_name(run: Run, metric: str) -> str:
+    """The name under which a run logged `metric`: the name itself, else its other name
+    (METRIC_ALIASES; run dirs written before CleanRL's names were logged have only ours), else
+    the name itself (not logged)."""
+    if any(metric in row for row in run.rows):
+        return metric
+    alias = METRIC_ALIASES.get(metric)
+    return alias if alias is not None and any(alias in row for row in run.rows) else metric
+
+
+def has_metric(run: Run, metric: str) -> bool:
+    """Whether the run logged `metric` under either of its names."""
+    name = logged_name(run, metric)
+    return any(name in row for row in run.rows)
+
+
+def logged_metrics(runs: list[Run]) -> list[str]:
+    """Every metric name the runs' rows hold, sorted (for an error that lists them)."""
+    return sorted({key for run in runs for row in run.rows for key in row} - {"cycle", "env_steps", "seed", "sweep"})
+
+
 def metric_table(run: Run, metric: str) -> tuple[np.ndarray, np.ndarray, list[int]]:
-    """(env_steps (C,), values (C, S) with NaN for null, seeds) of one metric over logged cycles."""
+    """(env_steps (C,), values (C, S) with NaN for null, seeds) of one metric over logged cycles,
+    under either of its names (logged_name)."""
+    metric = logged_name(run, metric)
     seeds = sorted({row["seed"] for row in run.rows})
     cycles = sorted({row["cycle"] for row in run.rows})
     cycle_index = {cycle: index for index, cycle in enumerate(cycles)}
@@ -306,6 +334,17 @@ def differing_labels(all_args: list[dict[str, Any]], fallback: list[str]) -> lis
     if not differing or len(set(labels)) < len(labels):
         return list(fallback)
     return labels
+
+
+def run_labels(runs: list[Run], given: list[str] | None = None) -> list[str]:
+    """The labels of a tool's --labels, one per run (a --sweep's run dir has one per point), or
+    without it the args that differ (differing_labels). ValueError for the wrong number."""
+    if given is None:
+        return differing_labels([run.args for run in runs], [run.path.name for run in runs])
+    if len(given) != len(runs):
+        raise ValueError(f"--labels: {len(given)} labels for {len(runs)} runs; give one per run dir, and for a --sweep's "
+                         "run dir one per point")
+    return list(given)
 
 
 def format_value(value: Any) -> str:
@@ -497,6 +536,39 @@ def draw_curve(ax, x: np.ndarray, values: np.ndarray, label: str, band: str, win
     ax.fill_between(x, low, high, color=line.get_color(), alpha=0.2, linewidth=0)
 
 
+def format_steps(value: float, _position: int | None = None) -> str:
+    """A tick label that stays short: 0, 500, 2.5k, 200k, 1M, 1.5M, 2B (a matplotlib
+    FuncFormatter's function, hence the unused tick position)."""
+    for size, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= size:
+            return f"{value / size:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
+def label_axes(ax, x_label: str, y_label: str | None = None) -> None:
+    """Axis labels, x ticks as format_steps writes them, and a light grid."""
+    from matplotlib.ticker import FuncFormatter
+
+    ax.xaxis.set_major_formatter(FuncFormatter(format_steps))
+    ax.set_xlabel(x_label, fontsize=8)
+    if y_label:
+        ax.set_ylabel(y_label, fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(alpha=0.3)
+
+
+def env_ids(runs: list[Run]) -> str:
+    """The env ids of the runs (args.json's env_id), for a title: `CartPole-v1`, or several."""
+    return ", ".join(sorted({str(run.args["env_id"]) for run in runs if run.args.get("env_id")}))
+
+
+def legend_below(figure, handles: list, labels: list[str], title: str) -> None:
+    """The legend under the axes, in up to 3 columns, so that it covers no curve and leaves the
+    axes their width (savefig's bbox_inches="tight" keeps it in the image)."""
+    figure.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=min(len(labels), 3), fontsize=8,
+                  title=title, title_fontsize=8, frameon=False)
+
+
 def plot_metric(ax, runs: list[Run], labels: list[str], metric: str, band: str, x_of=None, window: int = 1) -> None:
     """x_of(run) -> x values per logged cycle; default env steps."""
     if len(runs) > 10:
@@ -506,13 +578,10 @@ def plot_metric(ax, runs: list[Run], labels: list[str], metric: str, band: str, 
         x = env_steps if x_of is None else x_of(run)
         run_window = default_window([run]) if window == AUTO_WINDOW else window
         draw_curve(ax, x, values, f"{label} ({len(seeds)} seeds)" if len(seeds) > 1 else label, band, run_window)
-    ax.set_title(metric, fontsize=9)
-    ax.grid(alpha=0.3)
 
 
-def plot_runs(
+def runs_figure(
     runs: list[Run],
-    out: Path,
     metric: str = "charts/episodic_return",
     band: str = "std",
     labels: list[str] | None = None,
@@ -520,8 +589,11 @@ def plot_runs(
     x_of=None,
     x_label: str = "env steps (per seed)",
     window: int = 1,
-) -> None:
-    """One panel of `metric`, or with debug_metrics (--debug-grid) one panel of each."""
+    title: str | None = None,
+):
+    """One panel of `metric` (its name the y label), or with debug_metrics (--debug-grid) one
+    panel of each (its name the panel's title); the title (default: the env ids) above, the legend
+    below. Returns the matplotlib figure."""
     plt = pyplot()
     labels = labels or differing_labels([run.args for run in runs], [run.path.name for run in runs])
     metrics = debug_metrics or (metric,)
@@ -530,20 +602,31 @@ def plot_runs(
     figure, axes = plt.subplots(num_rows, num_columns, figsize=(4.2 * num_columns + 1, 3.2 * num_rows + 0.6), squeeze=False)
     for ax, name in zip(axes.flat, metrics):
         plot_metric(ax, runs, labels, name, band, x_of, window)
-        ax.set_xlabel(x_label, fontsize=8)
+        label_axes(ax, x_label, None if debug_metrics else name)
+        if debug_metrics:
+            ax.set_title(name, fontsize=9)
     for ax in list(axes.flat)[len(metrics) :]:
         ax.axis("off")
+    figure.suptitle(env_ids(runs) if title is None else title, fontsize=10)
     figure.tight_layout()
     handles, legend_labels = axes.flat[0].get_legend_handles_labels()
     if handles:
-        band_name = BAND_NAMES[band]
         smoothing = {AUTO_WINDOW: ", moving average of 1% of each run's cycles", 1: ""}.get(
             window, f", moving average of {window} logged cycles")
-        figure.legend(handles, legend_labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8,
-                      title=f"mean, band: {band_name}{smoothing}", title_fontsize=8)
+        legend_below(figure, handles, legend_labels, f"mean, band: {BAND_NAMES[band]}{smoothing}")
+    return figure
+
+
+def save_figure(figure, out: Path) -> None:
+    """Writes the figure (with its legend outside the axes) and closes it."""
     out.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(out, dpi=110, bbox_inches="tight")
-    plt.close(figure)
+    pyplot().close(figure)
+
+
+def plot_runs(runs: list[Run], out: Path, **options) -> None:
+    """runs_figure(runs, **options) written to `out`."""
+    save_figure(runs_figure(runs, **options), out)
 
 
 if __name__ == "__main__":

@@ -446,3 +446,78 @@ def test_plot_skips_a_torn_last_metrics_line(tmp_path):
     assert [row["cycle"] for row in read_run(tmp_path).rows] == [1, 1, 2, 2]
     result = run_script("scripts/plot.py", str(tmp_path), "--out", str(tmp_path / "curves.png"), timeout=120)
     assert result.returncode == 0 and (tmp_path / "curves.png").stat().st_size > 0, result.stderr
+
+
+@pytest.mark.parametrize("value, label", [
+    (0, "0"), (500, "500"), (0.25, "0.25"), (2500, "2.5k"), (100_000, "100k"), (120_000, "120k"), (1_000_000, "1M"),
+    (1_500_000, "1.5M"), (20_000_000, "20M"), (2_000_000_000, "2B"), (-50_000, "-50k"),
+])
+def test_tick_labels_are_short(value, label):
+    """Ticks at 100000, 120000, 140000 read 100k, 120k, 140k, not digits that run together."""
+    from runlib import format_steps
+
+    assert format_steps(value) == label
+
+
+def draw_with(monkeypatch, module, arguments: list[str]):
+    """Runs a tool's main in this process and returns the figures it would have written (the
+    figures stay open, for the test to read; nothing is written)."""
+    import runlib
+
+    figures = []
+    monkeypatch.setattr(runlib, "save_figure", lambda figure, out: figures.append(figure))
+    assert module.main(arguments) == 0
+    return figures
+
+
+def curves_run_dirs(tmp_path: Path) -> list[Path]:
+    """Two hand-written CartPole run dirs of 3 seeds over 1.2M env steps, differing in lr."""
+    from helpers import write_run_dir
+
+    returns = {seed: [float(cycle * seed) for cycle in range(1, 61)] for seed in (1, 2, 3)}
+    return [write_run_dir(tmp_path / name, {"env_id": "CartPole-v1", "lr": lr}, returns, env_steps_per_cycle=20_000)
+            for name, lr in [("a", 1e-3), ("b", 3e-4)]]
+
+
+def test_plot_title_labels_axes_ticks_and_a_legend_below_the_curves(tmp_path, monkeypatch):
+    import plot
+
+    runs = [str(path) for path in curves_run_dirs(tmp_path)]
+    (default,) = draw_with(monkeypatch, plot, [*runs, "--out", str(tmp_path / "a.png")])
+    (ax,) = default.axes
+    assert default._suptitle.get_text() == "CartPole-v1"  # the env id
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("env steps (per seed)", "charts/episodic_return")
+    assert [text.get_text() for text in default.legends[0].get_texts()] == ["lr=0.001 (3 seeds)", "lr=0.0003 (3 seeds)"]
+    default.canvas.draw()
+    assert {label.get_text() for label in ax.get_xticklabels()} >= {"0", "400k", "800k"}
+    legend_box, axes_box = default.legends[0].get_window_extent(), ax.get_window_extent()
+    assert legend_box.y1 <= axes_box.y0  # below the axes: it covers no curve
+
+    (titled,) = draw_with(monkeypatch, plot, [*runs, "--out", str(tmp_path / "b.pdf"), "--title", "PPO on CartPole",
+                                              "--labels", "fast", "slow"])
+    assert titled._suptitle.get_text() == "PPO on CartPole"
+    assert [text.get_text() for text in titled.legends[0].get_texts()] == ["fast (3 seeds)", "slow (3 seeds)"]
+
+
+def test_a_metric_is_read_under_either_of_its_names_also_in_an_old_run_dir(tmp_path, monkeypatch):
+    """CleanRL's `losses/approx_kl` is our `losses/actor_approxkl3`: an old run dir (ours only) and
+    one that has only CleanRL's name give the same table under either name."""
+    import plot
+    from helpers import write_run_dir
+    from runlib import METRIC_ALIASES
+
+    from ppo_support import contract
+
+    assert METRIC_ALIASES["losses/approx_kl"] == "losses/actor_approxkl3" and len(METRIC_ALIASES) == 2 * len(contract.CLEANRL_NAMES)
+    kl = {1: [0.01, 0.02], 2: [0.03, 0.04]}
+    returns = {1: [1.0, 2.0], 2: [3.0, 4.0]}
+    old = write_run_dir(tmp_path / "old", {"env_id": "CartPole-v1"}, returns, more={"losses/actor_approxkl3": kl})
+    cleanrl_only = write_run_dir(tmp_path / "cleanrl", {"env_id": "CartPole-v1"}, returns, more={"losses/approx_kl": kl})
+    for run_dir in [old, cleanrl_only]:
+        for name in ["losses/approx_kl", "losses/actor_approxkl3"]:
+            steps, values, seeds = metric_table(read_run(run_dir), name)
+            np.testing.assert_array_equal(values, [[0.01, 0.03], [0.02, 0.04]])
+    (figure,) = draw_with(monkeypatch, plot, [str(old), "--out", str(tmp_path / "kl.png"), "--metric", "losses/approx_kl"])
+    assert figure.axes[0].get_ylabel() == "losses/approx_kl" and len(figure.axes[0].get_lines()) == 1
+    _, values, _ = metric_table(read_run(old), "losses/clipfrac")  # neither name logged: all NaN
+    assert np.isnan(values).all()
