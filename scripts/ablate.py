@@ -35,20 +35,21 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runlib import (  # noqa: E402
     ROOT,
+    STAT_CSV_COLUMNS,
+    Comparison,
     area_under_curve,
-    bootstrap_ci,
     check_out_dir,
+    compare_scores,
     default_window,
     draw_curve,
     env_ids,
     finite_scores,
     flags_for,
     fmt,
-    interquartile_mean,
+    format_probability,
     label_axes,
     mean_std,
     metric_table,
-    probability_of_improvement,
     pyplot,
     read_run,
     run_once,
@@ -152,39 +153,6 @@ def summarize(run_dir: Path) -> dict[str, Any]:
             **{f"{key}_per_seed": scores for key, scores in per_seed.items()}}
 
 
-STAT_CSV_COLUMNS = ["iqm", "iqm_ci_low", "iqm_ci_high", "p_improve", "p_improve_ci_low", "p_improve_ci_high"]
-
-
-class Comparison(NamedTuple):
-    """One metric of one row against the baseline's (NaN where there are no scores, or for P on
-    the baseline itself)."""
-
-    iqm: float
-    iqm_ci: tuple[float, float]
-    p_improve: float
-    p_improve_ci: tuple[float, float]
-    finding: str  # "higher" or "lower" when the IQM's CI excludes the baseline's IQM, else ""
-
-    def csv_record(self, key: str) -> dict[str, str]:
-        """`{key}_iqm`, `{key}_iqm_ci_low`, ..., `{key}_p_improve_ci_high`; empty for NaN."""
-        values = [self.iqm, *self.iqm_ci, self.p_improve, *self.p_improve_ci]
-        return {f"{key}_{name}": "" if math.isnan(value) else f"{value:.{3 if name.startswith('p_') else 2}f}"
-                for name, value in zip(STAT_CSV_COLUMNS, values)}
-
-
-def compare(scores: np.ndarray, baseline_scores: np.ndarray, is_baseline: bool) -> Comparison:
-    if scores.size == 0 or baseline_scores.size == 0:
-        return Comparison(math.nan, (math.nan, math.nan), math.nan, (math.nan, math.nan), "")
-    iqm = float(interquartile_mean(scores))
-    low, high = bootstrap_ci(interquartile_mean, scores)
-    if is_baseline:
-        return Comparison(iqm, (low, high), math.nan, (math.nan, math.nan), "")
-    baseline_iqm = float(interquartile_mean(baseline_scores))
-    finding = "higher" if baseline_iqm < low else "lower" if baseline_iqm > high else ""
-    p_improve = float(probability_of_improvement(scores, baseline_scores))
-    return Comparison(iqm, (low, high), p_improve, bootstrap_ci(probability_of_improvement, scores, baseline_scores), finding)
-
-
 def findings(comparisons: dict[str, Comparison]) -> str:
     """e.g. `lower final, lower AUC`; empty when no CI excludes the baseline."""
     return ", ".join(f"{comparison.finding} {METRICS[key]}" for key, comparison in comparisons.items() if comparison.finding)
@@ -198,10 +166,6 @@ STATISTICS_NOTE = (
 )
 
 
-def format_probability(value: float, interval: tuple[float, float]) -> str:
-    return "-" if math.isnan(value) else f"{value:.2f} [{interval[0]:.2f}, {interval[1]:.2f}]"
-
-
 def relative(value: float, baseline: float) -> float:
     if not (math.isfinite(value) and math.isfinite(baseline)) or baseline == 0:
         return math.nan
@@ -210,7 +174,7 @@ def relative(value: float, baseline: float) -> float:
 
 def write_outputs(out_dir: Path, rows: list[dict[str, Any]], header: str) -> None:
     baseline = rows[0]
-    comparisons = {row["detail"]: {key: compare(row[f"{key}_per_seed"], baseline[f"{key}_per_seed"], row is baseline)
+    comparisons = {row["detail"]: {key: compare_scores(row[f"{key}_per_seed"], baseline[f"{key}_per_seed"], row is baseline)
                                    for key in METRICS}
                    for row in rows if "final" in row}
     stat_columns = [f"{key}_{name}" for key in METRICS for name in STAT_CSV_COLUMNS]

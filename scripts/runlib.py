@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any, Callable, Iterator, NamedTuple
 
 import numpy as np
@@ -299,6 +299,15 @@ def metric_table(run: Run, metric: str) -> tuple[np.ndarray, np.ndarray, list[in
     return env_steps, values, seeds
 
 
+def final_scores(run: Run, metric: str = "charts/episodic_return") -> np.ndarray:
+    """Per seed, the mean of the metric over the last 10% of logged cycles (cycles without a value
+    left out; rundir.final_returns, which writes summary.json's final return over every cycle),
+    seeds without any value left out."""
+    _, values, _ = metric_table(run, metric)
+    cycles = SimpleNamespace(num_cycles=values.shape[0])
+    return finite_scores(rundir.final_returns(cycles, values))
+
+
 def wall_seconds(run: Run) -> np.ndarray:
     """Seconds from the start of the run (compilation included) at each logged cycle, rebuilt
     from the per-interval charts/SPS (env steps of all seeds per second)."""
@@ -473,6 +482,46 @@ def bootstrap_mean_ci_per_row(
     with np.errstate(invalid="ignore", divide="ignore"):
         means = np.where(num_drawn > 0, sums / num_drawn, np.nan)
     return percentile_interval(means, confidence, axis=1)
+
+
+STAT_CSV_COLUMNS = ["iqm", "iqm_ci_low", "iqm_ci_high", "p_improve", "p_improve_ci_low", "p_improve_ci_high"]
+
+
+class Comparison(NamedTuple):
+    """One metric of one row against the baseline's (NaN where there are no scores, or for P on
+    the baseline itself)."""
+
+    iqm: float
+    iqm_ci: tuple[float, float]
+    p_improve: float
+    p_improve_ci: tuple[float, float]
+    finding: str  # "higher" or "lower" when the IQM's CI excludes the baseline's IQM, else ""
+
+    def csv_record(self, key: str) -> dict[str, str]:
+        """`{key}_iqm`, `{key}_iqm_ci_low`, ..., `{key}_p_improve_ci_high`; empty for NaN."""
+        values = [self.iqm, *self.iqm_ci, self.p_improve, *self.p_improve_ci]
+        return {f"{key}_{name}": "" if math.isnan(value) else f"{value:.{3 if name.startswith('p_') else 2}f}"
+                for name, value in zip(STAT_CSV_COLUMNS, values)}
+
+
+def compare_scores(scores: np.ndarray, baseline_scores: np.ndarray, is_baseline: bool) -> Comparison:
+    """The IQM of the scores (per seed) with its bootstrap CI and, unless these are the baseline's,
+    the probability of improvement over the baseline's scores with its CI, and the finding."""
+    if scores.size == 0 or baseline_scores.size == 0:
+        return Comparison(math.nan, (math.nan, math.nan), math.nan, (math.nan, math.nan), "")
+    iqm = float(interquartile_mean(scores))
+    low, high = bootstrap_ci(interquartile_mean, scores)
+    if is_baseline:
+        return Comparison(iqm, (low, high), math.nan, (math.nan, math.nan), "")
+    baseline_iqm = float(interquartile_mean(baseline_scores))
+    finding = "higher" if baseline_iqm < low else "lower" if baseline_iqm > high else ""
+    p_improve = float(probability_of_improvement(scores, baseline_scores))
+    return Comparison(iqm, (low, high), p_improve, bootstrap_ci(probability_of_improvement, scores, baseline_scores), finding)
+
+
+def format_probability(value: float, interval: tuple[float, float]) -> str:
+    return "-" if math.isnan(value) else f"{value:.2f} [{interval[0]:.2f}, {interval[1]:.2f}]"
+
 
 
 # ======================================================================================

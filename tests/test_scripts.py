@@ -27,7 +27,7 @@ def imported_names(path) -> set[str]:
 
 
 def test_no_tool_imports_another_tool():
-    assert len(TOOLS) >= 9 and {"plot", "ablate", "sweep", "benchmark"} <= set(TOOLS)
+    assert len(TOOLS) >= 10 and {"plot", "ablate", "sweep", "benchmark", "compare"} <= set(TOOLS)
     for path in (ROOT / "scripts").glob("*.py"):
         other_tools = imported_names(path) & (set(TOOLS) - {path.stem})
         assert not other_tools, f"{path.name} imports {sorted(other_tools)}"
