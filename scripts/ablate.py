@@ -34,7 +34,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runlib import (  # noqa: E402
-    ROOT,
     STAT_CSV_COLUMNS,
     Comparison,
     area_under_curve,
@@ -54,6 +53,7 @@ from runlib import (  # noqa: E402
     read_run,
     run_once,
     script_defaults,
+    script_file,
     split_passthrough,
 )
 from ppo_support import sweeps  # noqa: E402  (runlib put the repository on the path)
@@ -274,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     ours, extra = split_passthrough(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      usage="%(prog)s --script SCRIPT --out-dir DIR [options] [-- flags for every run]")
-    parser.add_argument("--script", default="ppo_mlp.py", help="training script in the repo root")
+    parser.add_argument("--script", default="ppo_mlp.py",
+                        help="the training script: a name in the repo root, or the path of a copy anywhere")
     parser.add_argument("--env-id", help="passed to every run (default: the script's)")
     parser.add_argument("--num-seeds", type=int, default=5, help="seeds per run, vmapped in one process")
     parser.add_argument("--out-dir", type=Path, required=True)
@@ -282,15 +283,17 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"a subset of: {', '.join(DETAIL_NAMES)} (default: all)")
     parser.add_argument("--resume", action="store_true", help="skip runs that already finished in --out-dir")
     options = parser.parse_args(ours)
-    if not (ROOT / options.script).is_file():
-        parser.error(f"--script {options.script}: no such file in {ROOT}")
+    try:
+        script = str(script_file(options.script))
+    except FileNotFoundError as error:
+        parser.error(str(error))
     if options.num_seeds < 1:
         parser.error(f"--num-seeds must be >= 1, got {options.num_seeds}")
     error = check_out_dir(options.out_dir, options.resume)
     if error:
         parser.error(error)
 
-    defaults = script_defaults(options.script)
+    defaults = script_defaults(script)
     common = ["--num-seeds", str(options.num_seeds)] + (["--env-id", options.env_id] if options.env_id else [])
     planned = [("baseline", [], "(defaults)")]
     skipped = []
@@ -307,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     swept = swept_details(planned, defaults)
     if swept:  # the baseline and these details in one process
-        result = run_once(options.script, common + sweep_flags(swept, defaults), options.out_dir / SWEEP_RUN, extra)
+        result = run_once(script, common + sweep_flags(swept, defaults), options.out_dir / SWEEP_RUN, extra)
         if result.status == "rejected":
             print(f"one --sweep for {', '.join(name for name, _, _ in swept)} rejected by {options.script} "
                   f"({result.message}): one process per detail", flush=True)
@@ -324,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             done = set(names)
             planned = [plan for plan in planned if plan[0] not in done]
     for name, flags, change in planned:
-        result = run_once(options.script, common + flags, options.out_dir / name, extra)
+        result = run_once(script, common + flags, options.out_dir / name, extra)
         if result.status == "rejected":
             rows.append({"detail": name, "change": change, "status": f"rejected by the script: {result.message}"})
             print(f"{name}: rejected by {options.script}: {result.message}", flush=True)

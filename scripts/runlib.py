@@ -94,12 +94,18 @@ def package_beside(folder: Path) -> Iterator[None]:
             sys.modules.update(loaded)
 
 
-def load_script(script: str) -> ModuleType:
-    """Imports a training script of the repo root (e.g. `ppo_mlp.py`), for tools with --script."""
-    path = ROOT / script
-    if not path.is_file():
-        raise FileNotFoundError(f"no script {script} in {ROOT}")
-    return load_module(path)
+def script_file(script: str | Path) -> Path:
+    """A tool's --script: the file at that path (a copy anywhere), else the file of that name in the
+    repo root (e.g. `ppo_mlp.py` from any folder); FileNotFoundError when neither exists."""
+    for path in (Path(script), ROOT / script):
+        if path.is_file():
+            return path.resolve()
+    raise FileNotFoundError(f"--script {script}: no such file (here or in {ROOT})")
+
+
+def load_script(script: str | Path) -> ModuleType:
+    """Imports a training script (see script_file), for tools with --script."""
+    return load_module(script_file(script))
 
 
 class UnsafeScript(ValueError):
@@ -140,7 +146,7 @@ def load_script_for_run(args: dict[str, Any], run_dir: Path | None = None, scrip
     return load_module(path)
 
 
-def script_defaults(script: str) -> dict[str, Any]:
+def script_defaults(script: str | Path) -> dict[str, Any]:
     """{field name: default} of the script's `Args` dataclass: which flags it has."""
     return {field.name: field.default for field in dataclasses.fields(load_script(script).Args)}
 

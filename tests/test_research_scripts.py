@@ -68,6 +68,30 @@ def test_sweep_resume_skips_finished_runs_and_reruns_an_interrupted_one(sweep_di
     assert cycles == [1, 1, 2, 2]
 
 
+def test_sweep_takes_any_flag_of_a_copy_outside_the_repository(tmp_path):
+    """A copy with a float flag of its own, swept by scripts/sweep.py --script PATH (one process per
+    value), with a list-valued flag beside it: each run gets its values, its folder names them."""
+    copy = tmp_path / "elsewhere" / "my_ppo.py"
+    copy.parent.mkdir()
+    source = (ROOT / "ppo_mlp.py").read_text()
+    anchor = "    ent_coef: float"
+    assert source.count(anchor) == 1
+    copy.write_text(source.replace(anchor, "    logit_l2_coef: float = 0.0  # a flag of the copy's own\n" + anchor))
+    out_dir = tmp_path / "out"
+    result = run_tool("scripts/sweep.py", "--script", str(copy), "--logit-l2-coef", "0", "0.01", "--hidden-sizes", "8,8",
+                      "--num-parallel-envs", "4", "--num-env-steps-per-cycle", "32", "--out-dir", str(out_dir), "--", *TINY,
+                      cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    folders = [f"envs4_steps32_mb4_ep4_logit-l2-coef={value}_hidden-sizes=8x8" for value in ["0", "0.01"]]
+    assert sorted(path.name for path in out_dir.iterdir() if path.is_dir()) == sorted(folders)
+    for folder, value in zip(folders, [0.0, 0.01]):
+        args = json.loads((out_dir / folder / "args.json").read_text())
+        assert (args["logit_l2_coef"], args["hidden_sizes"], args["script_path"]) == (value, [8, 8], str(copy.resolve()))
+    rows = list(csv.DictReader(open(out_dir / "sweep.csv")))
+    assert [(row["logit_l2_coef"], row["hidden_sizes"], row["status"]) for row in rows] == [("0", "8x8", "ran"), ("0.01", "8x8", "ran")]
+    assert "| logit l2 coef | env steps/s |" in (out_dir / "sweep.md").read_text()
+
+
 def test_plot_writes_a_png_labelled_by_the_differing_args(sweep_dir, tmp_path):
     runs = [str(sweep_dir / "envs4_steps32_mb1_ep4"), str(sweep_dir / "envs4_steps32_mb2_ep4")]
     out = tmp_path / "curves.png"
@@ -378,6 +402,12 @@ def test_evaluate_masks_invalid_actions_of_the_lstm_policy_as_in_training(tmp_pa
         (["plot.py", ".", "--out", "x.png", "--ci", "bootstrap", "--band", "minmax"], "--ci bootstrap and --band minmax"),
         (["sweep.py", "--num-parallel-envs", "0", "--out-dir", "unused"], "--num-parallel-envs"),
         (["sweep.py", "--script", "nope.py", "--out-dir", "unused"], "--script"),
+        (["sweep.py", "--script", "no/such/copy.py", "--out-dir", "unused"], "--script no/such/copy.py"),
+        (["sweep.py", "--no-such-flag", "1", "2", "--out-dir", "unused"], "--no-such-flag"),
+        (["sweep.py", "--norm-adv", "maybe", "--out-dir", "unused"], "--norm-adv"),
+        (["sweep.py", "--ent-coef", "--out-dir", "unused"], "--ent-coef"),
+        (["sweep.py", "--lr", "1e-3", "--lr", "3e-4", "--out-dir", "unused"], "--lr is given twice"),
+        (["ablate.py", "--script", "no/such/copy.py", "--out-dir", "unused"], "--script no/such/copy.py"),
         (["ablate.py", "--details", "nope", "--out-dir", "unused"], "--details"),
         (["ablate.py", "--num-seeds", "0", "--out-dir", "unused"], "--num-seeds"),
         (["evaluate.py", "no/such/run"], "not a finished run dir"),
