@@ -28,6 +28,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runlib import (  # noqa: E402
+    IMAGE_SUFFIXES,
     Comparison,
     Run,
     compare_scores,
@@ -41,9 +42,8 @@ from runlib import (  # noqa: E402
     mean_std,
     plot_metric,
     pyplot,
-    read_runs,
+    read_run_dirs,
     run_labels,
-    rundir,
     save_figure,
 )
 
@@ -137,14 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="also draw the comparison into this .png, .pdf or .svg file")
     parser.add_argument("--title", help="the plot's title (default: the env ids)")
     options = parser.parse_args(argv)
-    if options.out is not None and options.out.suffix.lower() not in {".png", ".pdf", ".svg"}:
+    if options.out is not None and options.out.suffix.lower() not in IMAGE_SUFFIXES:
         parser.error(f"--out {options.out}: use a .png, .pdf or .svg file name")
-    runs = []
-    for run_dir in options.run_dirs:
-        try:
-            runs += read_runs(run_dir)
-        except (FileNotFoundError, rundir.DamagedFile) as error:
-            parser.error(str(error))
+    runs = read_run_dirs(options.run_dirs, parser)
     unfinished = [run.path for run in runs if run.summary is None]
     if unfinished:
         parser.error(f"{unfinished[0]} is unfinished (no summary.json): compare finished runs, or --resume it first")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runlib import (  # noqa: E402
-    Run, UnsafeScript, has_metric, load_script_for_run, logged_metrics, plot_runs, read_runs, run_labels, rundir,
+    IMAGE_SUFFIXES, Run, UnsafeScript, has_metric, load_script_for_run, logged_metrics, plot_runs, read_run_dirs, run_labels,
 )
 
 
@@ -56,14 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--ci {options.ci} and --band {options.band} are two bands: give one")
     if options.smooth < 0:
         parser.error(f"--smooth must be >= 0, got {options.smooth}")
-    if options.out.suffix.lower() not in {".png", ".pdf", ".svg"}:
+    if options.out.suffix.lower() not in IMAGE_SUFFIXES:
         parser.error(f"--out {options.out}: use a .png, .pdf or .svg file name")
-    runs = []
-    for run_dir in options.run_dirs:
-        try:
-            runs += read_runs(run_dir)
-        except (FileNotFoundError, rundir.DamagedFile) as error:
-            parser.error(str(error))
+    runs = read_run_dirs(options.run_dirs, parser)
     debug_metrics = ()
     if options.debug_grid:
         try:

@@ -287,6 +287,21 @@ def logged_metrics(runs: list[Run]) -> list[str]:
     return sorted({key for run in runs for row in run.rows for key in row} - {"cycle", "env_steps", "seed", "sweep"})
 
 
+def read_run_dirs(run_dirs: list[Path], parser) -> list[Run]:
+    """The runs of every run dir a tool was given (read_runs), in order; a missing or damaged one
+    ends the tool with the argparse parser's one error line (exit 2)."""
+    runs = []
+    for run_dir in run_dirs:
+        try:
+            runs += read_runs(run_dir)
+        except (FileNotFoundError, rundir.DamagedFile) as error:
+            parser.error(str(error))
+    return runs
+
+
+IMAGE_SUFFIXES = {".png", ".pdf", ".svg"}  # what a tool's --out may be
+
+
 def metric_table(run: Run, metric: str) -> tuple[np.ndarray, np.ndarray, list[int]]:
     """(env_steps (C,), values (C, S) with NaN for null, seeds) of one metric over logged cycles,
     under either of its names (logged_name)."""
