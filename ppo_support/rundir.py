@@ -471,7 +471,7 @@ INTERRUPTED_FILE = "interrupted.json"  # a run a signal stopped: unfinished, res
 
 def mark_interrupted(run_dir: Path, cycle: int, signal_name: str, command: str) -> None:
     """Records in the run dir that a signal stopped the run at `cycle`, and how to continue it.
-    Without summary.json the run is unfinished to --resume and to scripts/runs.py."""
+    Without summary.json the run is unfinished to --resume and to the tools (scripts/runlib.py)."""
     (run_dir / INTERRUPTED_FILE).write_text(json.dumps({"cycle": cycle, "signal": signal_name, "resume": command}) + "\n")
 
 

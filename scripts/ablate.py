@@ -15,7 +15,7 @@ DIR/ablation.png (bars) and DIR/learning_curves.png.
 Final return: per seed, the mean episodic return over the last 10% of cycles (the script's
 summary.json); AUC: per seed, the mean episodic return over all cycles. Both as mean ± sample
 std over seeds, relative to the baseline's mean, and as Agarwal et al. (2021) recommend (see
-stats.py): the interquartile mean (IQM) over seeds with a 95% bootstrap confidence interval, and
+runlib.py): the interquartile mean (IQM) over seeds with a 95% bootstrap confidence interval, and
 the probability of improvement P(detail > baseline), the chance that a random seed of the detail
 beats a random seed of the baseline (ties count half). A detail is marked a finding (`lower
 final`, `higher AUC`, ...) only when its IQM's CI excludes the baseline's IQM.
@@ -30,29 +30,33 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from plot import default_window, draw_curve  # noqa: E402
-from stats import bootstrap_ci, finite_scores, interquartile_mean, probability_of_improvement  # noqa: E402
-from runs import (  # noqa: E402
-    ROOT,
+from runlib import (  # noqa: E402
+    STAT_CSV_COLUMNS,
+    Comparison,
     area_under_curve,
     check_out_dir,
+    compare_scores,
+    default_window,
+    draw_curve,
+    env_ids,
+    finite_scores,
     flags_for,
     fmt,
+    format_probability,
+    label_axes,
     mean_std,
     metric_table,
+    pyplot,
     read_run,
     run_once,
     script_defaults,
+    script_file,
     split_passthrough,
 )
-from ppo_support import sweeps  # noqa: E402  (runs put the repository on the path)
+from ppo_support import sweeps  # noqa: E402  (runlib put the repository on the path)
 
 HUGE_GRAD_NORM = 1e9  # global-norm clipping never triggers
 
@@ -149,39 +153,6 @@ def summarize(run_dir: Path) -> dict[str, Any]:
             **{f"{key}_per_seed": scores for key, scores in per_seed.items()}}
 
 
-STAT_CSV_COLUMNS = ["iqm", "iqm_ci_low", "iqm_ci_high", "p_improve", "p_improve_ci_low", "p_improve_ci_high"]
-
-
-class Comparison(NamedTuple):
-    """One metric of one row against the baseline's (NaN where there are no scores, or for P on
-    the baseline itself)."""
-
-    iqm: float
-    iqm_ci: tuple[float, float]
-    p_improve: float
-    p_improve_ci: tuple[float, float]
-    finding: str  # "higher" or "lower" when the IQM's CI excludes the baseline's IQM, else ""
-
-    def csv_record(self, key: str) -> dict[str, str]:
-        """`{key}_iqm`, `{key}_iqm_ci_low`, ..., `{key}_p_improve_ci_high`; empty for NaN."""
-        values = [self.iqm, *self.iqm_ci, self.p_improve, *self.p_improve_ci]
-        return {f"{key}_{name}": "" if math.isnan(value) else f"{value:.{3 if name.startswith('p_') else 2}f}"
-                for name, value in zip(STAT_CSV_COLUMNS, values)}
-
-
-def compare(scores: np.ndarray, baseline_scores: np.ndarray, is_baseline: bool) -> Comparison:
-    if scores.size == 0 or baseline_scores.size == 0:
-        return Comparison(math.nan, (math.nan, math.nan), math.nan, (math.nan, math.nan), "")
-    iqm = float(interquartile_mean(scores))
-    low, high = bootstrap_ci(interquartile_mean, scores)
-    if is_baseline:
-        return Comparison(iqm, (low, high), math.nan, (math.nan, math.nan), "")
-    baseline_iqm = float(interquartile_mean(baseline_scores))
-    finding = "higher" if baseline_iqm < low else "lower" if baseline_iqm > high else ""
-    p_improve = float(probability_of_improvement(scores, baseline_scores))
-    return Comparison(iqm, (low, high), p_improve, bootstrap_ci(probability_of_improvement, scores, baseline_scores), finding)
-
-
 def findings(comparisons: dict[str, Comparison]) -> str:
     """e.g. `lower final, lower AUC`; empty when no CI excludes the baseline."""
     return ", ".join(f"{comparison.finding} {METRICS[key]}" for key, comparison in comparisons.items() if comparison.finding)
@@ -195,10 +166,6 @@ STATISTICS_NOTE = (
 )
 
 
-def format_probability(value: float, interval: tuple[float, float]) -> str:
-    return "-" if math.isnan(value) else f"{value:.2f} [{interval[0]:.2f}, {interval[1]:.2f}]"
-
-
 def relative(value: float, baseline: float) -> float:
     if not (math.isfinite(value) and math.isfinite(baseline)) or baseline == 0:
         return math.nan
@@ -207,7 +174,7 @@ def relative(value: float, baseline: float) -> float:
 
 def write_outputs(out_dir: Path, rows: list[dict[str, Any]], header: str) -> None:
     baseline = rows[0]
-    comparisons = {row["detail"]: {key: compare(row[f"{key}_per_seed"], baseline[f"{key}_per_seed"], row is baseline)
+    comparisons = {row["detail"]: {key: compare_scores(row[f"{key}_per_seed"], baseline[f"{key}_per_seed"], row is baseline)
                                    for key in METRICS}
                    for row in rows if "final" in row}
     stat_columns = [f"{key}_{name}" for key in METRICS for name in STAT_CSV_COLUMNS]
@@ -255,6 +222,7 @@ def write_outputs(out_dir: Path, rows: list[dict[str, Any]], header: str) -> Non
     (out_dir / "ablation.md").write_text("\n".join(lines) + "\n")
 
     finished = [row for row in rows if "final" in row]
+    plt = pyplot()
     figure, axes = plt.subplots(1, 2, figsize=(11, 0.38 * len(finished) + 1.6), sharey=True)
     positions = np.arange(len(finished))[::-1]
     for ax, key, title in zip(axes, ["final", "auc"], ["final return (last 10% of cycles)", "AUC (mean return over all cycles)"]):
@@ -266,7 +234,8 @@ def write_outputs(out_dir: Path, rows: list[dict[str, Any]], header: str) -> Non
         ax.set_title(title, fontsize=9)
         ax.grid(axis="x", alpha=0.3)
     axes[0].set_yticks(positions, [row["detail"] for row in finished], fontsize=8)
-    figure.suptitle(f"mean ± std over {baseline['num_seeds']} seeds; dashed: baseline", fontsize=9)
+    figure.suptitle(f"{env_ids([row['run'] for row in finished])}: mean ± std over {baseline['num_seeds']} seeds; "
+                    "dashed: baseline", fontsize=9)
     figure.tight_layout()
     figure.savefig(out_dir / "ablation.png", dpi=110)
     plt.close(figure)
@@ -277,23 +246,24 @@ def write_outputs(out_dir: Path, rows: list[dict[str, Any]], header: str) -> Non
 def plot_against_baseline(rows: list[dict[str, Any]], out: Path, metric: str = "charts/episodic_return") -> None:
     """One panel per detail: its learning curve against the baseline's (mean ± std over seeds)."""
     baseline, details = rows[0], rows[1:] or rows[:1]
+    plt = pyplot()
     window = default_window([row["run"] for row in rows])
     num_columns = min(len(details), 4)
     num_rows = math.ceil(len(details) / num_columns)
     figure, axes = plt.subplots(num_rows, num_columns, figsize=(3.6 * num_columns, 2.6 * num_rows + 0.5),
                                 sharex=True, sharey=True, squeeze=False)
     base_steps, base_values, _ = metric_table(baseline["run"], metric)
-    for ax, row in zip(axes.flat, details):
+    for index, (ax, row) in enumerate(zip(axes.flat, details)):
         draw_curve(ax, base_steps, base_values, "baseline", "std", window, color="tab:gray")
         env_steps, values, _ = metric_table(row["run"], metric)
         draw_curve(ax, env_steps, values, row["detail"], "std", window, color="tab:blue")
         ax.set_title(f"{row['detail']}: {row['change']}", fontsize=8)
-        ax.grid(alpha=0.3)
-        ax.tick_params(labelsize=7)
+        first_column, last_row = index % num_columns == 0, index >= len(details) - num_columns
+        label_axes(ax, "env steps (per seed)" if last_row else "", metric if first_column else None)
     for ax in list(axes.flat)[len(details) :]:
         ax.axis("off")
     smoothing = f", moving average of {window} cycles" if window > 1 else ""
-    figure.suptitle(f"{metric} vs env steps per seed; blue: detail flipped, gray: baseline; "
+    figure.suptitle(f"{env_ids([row['run'] for row in rows])}: {metric}; blue: detail flipped, gray: baseline; "
                     f"mean ± std over {baseline['num_seeds']} seeds{smoothing}", fontsize=9)
     figure.tight_layout()
     figure.savefig(out, dpi=110)
@@ -304,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     ours, extra = split_passthrough(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      usage="%(prog)s --script SCRIPT --out-dir DIR [options] [-- flags for every run]")
-    parser.add_argument("--script", default="ppo_mlp.py", help="training script in the repo root")
+    parser.add_argument("--script", default="ppo_mlp.py",
+                        help="the training script: a name in the repo root, or the path of a copy anywhere")
     parser.add_argument("--env-id", help="passed to every run (default: the script's)")
     parser.add_argument("--num-seeds", type=int, default=5, help="seeds per run, vmapped in one process")
     parser.add_argument("--out-dir", type=Path, required=True)
@@ -312,15 +283,17 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"a subset of: {', '.join(DETAIL_NAMES)} (default: all)")
     parser.add_argument("--resume", action="store_true", help="skip runs that already finished in --out-dir")
     options = parser.parse_args(ours)
-    if not (ROOT / options.script).is_file():
-        parser.error(f"--script {options.script}: no such file in {ROOT}")
+    try:
+        script = str(script_file(options.script))
+    except FileNotFoundError as error:
+        parser.error(str(error))
     if options.num_seeds < 1:
         parser.error(f"--num-seeds must be >= 1, got {options.num_seeds}")
     error = check_out_dir(options.out_dir, options.resume)
     if error:
         parser.error(error)
 
-    defaults = script_defaults(options.script)
+    defaults = script_defaults(script)
     common = ["--num-seeds", str(options.num_seeds)] + (["--env-id", options.env_id] if options.env_id else [])
     planned = [("baseline", [], "(defaults)")]
     skipped = []
@@ -337,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     swept = swept_details(planned, defaults)
     if swept:  # the baseline and these details in one process
-        result = run_once(options.script, common + sweep_flags(swept, defaults), options.out_dir / SWEEP_RUN, extra)
+        result = run_once(script, common + sweep_flags(swept, defaults), options.out_dir / SWEEP_RUN, extra)
         if result.status == "rejected":
             print(f"one --sweep for {', '.join(name for name, _, _ in swept)} rejected by {options.script} "
                   f"({result.message}): one process per detail", flush=True)
@@ -354,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
             done = set(names)
             planned = [plan for plan in planned if plan[0] not in done]
     for name, flags, change in planned:
-        result = run_once(options.script, common + flags, options.out_dir / name, extra)
+        result = run_once(script, common + flags, options.out_dir / name, extra)
         if result.status == "rejected":
             rows.append({"detail": name, "change": change, "status": f"rejected by the script: {result.message}"})
             print(f"{name}: rejected by {options.script}: {result.message}", flush=True)

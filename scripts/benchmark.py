@@ -24,15 +24,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runlib import ROOT, machine_description, run_config  # noqa: E402
 
 # name -> flags. The CartPole config is PureJaxRL's ppo.py default (4 envs x 128 steps,
 # 4 epochs x 4 minibatches, 500k steps). The Breakout configs are ppo_lstm_impala.py's defaults
@@ -75,21 +73,6 @@ CPU_CONFIGS = {
     "ppo_mlp.py": ["cartpole", "cartpole-8-seeds", "cartpole-256x128-8mb-5ep"],
     "ppo_lstm_impala.py": ["breakout-defaults-bptt", "breakout-defaults-stored", "breakout-defaults-ff"],
 }
-
-
-def run_config(script: str, flags: list[str], run_dir: Path, extra_flags: list[str] = (), root: Path = ROOT) -> dict:
-    """Runs one training process of `root`'s script; returns its summary.json, or raises with its stderr."""
-    command = [sys.executable, str(root / script), *flags, *extra_flags, "--run-dir", str(run_dir)]
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-2000:]}")
-    return json.loads((run_dir / "summary.json").read_text())
-
-
-def machine_description(summary: dict) -> str:
-    """This machine, with the devices and JAX a run's summary.json names. This process never starts
-    a JAX backend itself: on a TPU only one process may hold the chip, and the runs need it."""
-    return f"{platform.node()} | {platform.processor() or platform.machine()} | {summary['devices']} | jax {summary['jax_version']}"
 
 
 def best_row(script: str, name: str, flags: list[str], repeats: int) -> tuple[str, dict]:

@@ -6,7 +6,7 @@
 
 Reads RUN_DIR/args.json and RUN_DIR/params.msgpack with the training script that wrote them: the
 file args.json records (a renamed copy too), else the file of that name in the repo root, or the
-one --script names (`script_path_for_run` in runs.py). It prints that script's path, and never
+one --script names (`script_path_for_run` in runlib.py). It prints that script's path, and never
 imports one that lies inside the run dir. The policy is played by the script's own evaluation
 (its make_evaluation, as in --eval-every-cycles): each seed plays --episodes episodes in parallel
 fresh envs (vmapped over seeds, one jit), and the return of each env's first episode counts.
@@ -31,7 +31,7 @@ from types import ModuleType
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runs import UnsafeScript, load_script_for_run, rundir  # noqa: E402
+from runlib import UnsafeScript, load_script_for_run, rundir  # noqa: E402
 
 
 class UsageError(ValueError):

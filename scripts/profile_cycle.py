@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runs import load_script  # noqa: E402
+from runlib import load_script  # noqa: E402
 
 # The LSTM defaults' shapes (ppo_lstm_impala.py's Args), which both scripts are profiled at.
 LSTM_DEFAULT_SHAPES = ["--num-parallel-envs", "256", "--num-env-steps-per-cycle", "128",

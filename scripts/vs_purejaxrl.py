@@ -52,7 +52,7 @@ import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from benchmark import ROOT, machine_description, run_config  # noqa: E402
+from runlib import ROOT, machine_description, run_config  # noqa: E402
 
 # PureJaxRL ppo.py's own CartPole config (its __main__), which is also ppo_mlp.py's defaults.
 PUREJAXRL_CARTPOLE = {

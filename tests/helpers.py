@@ -151,9 +151,9 @@ def check_stopped_run(script: str, run: subprocess.Popen, run_dir: Path, signal_
         for index, leaf in enumerate(jax.tree.leaves(params)):
             np.testing.assert_array_equal(leaf, checkpoint[f"leaf_{index}"])
     sys.path.insert(0, str(ROOT / "scripts"))
-    import runs
+    import runlib
 
-    assert not runs.is_finished(run_dir) and runs.read_run(run_dir).summary is None
+    assert not runlib.is_finished(run_dir) and runlib.read_run(run_dir).summary is None
     return cycle
 
 
@@ -258,3 +258,25 @@ def learning_rate_used(params_before: Any, params_after: Any, grads: Any, opt_st
     step = flat(params_after) - flat(params_before)
     direction = flat(direction)
     return float(-(step @ direction) / (direction @ direction))
+
+
+# --- run dirs written by hand, for the tools that read them ---------------------------------------
+
+
+def write_run_dir(run_dir: Path, args: dict, returns: dict[int, list[float | None]], env_steps_per_cycle: int = 1000,
+                  more: dict[str, dict[int, list[float]]] | None = None) -> Path:
+    """A finished run dir as a training script writes it, with only what the tools read: args.json,
+    metrics.jsonl (per seed, one row per cycle: `charts/episodic_return` from `returns[seed]`, and
+    each metric of `more` from more[name][seed]) and summary.json."""
+    run_dir.mkdir(parents=True)
+    (run_dir / "args.json").write_text(json.dumps({"num_seeds": len(returns), **args}))
+    rows = []
+    for seed, values in returns.items():
+        for cycle, value in enumerate(values, start=1):
+            row = {"cycle": cycle, "env_steps": cycle * env_steps_per_cycle, "seed": seed, "charts/episodic_return": value}
+            row.update({name: per_seed[seed][cycle - 1] for name, per_seed in (more or {}).items()})
+            rows.append(row)
+    rows.sort(key=lambda row: (row["cycle"], row["seed"]))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    (run_dir / "summary.json").write_text(json.dumps({"compile_seconds": 1.0}))
+    return run_dir

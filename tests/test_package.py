@@ -34,7 +34,7 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def test_the_package_imports_no_script_and_no_tool():
-    assert SCRIPTS == ["ppo_lstm_impala", "ppo_mlp"] and "runs" in TOOLS
+    assert SCRIPTS == ["ppo_lstm_impala", "ppo_mlp"] and "runlib" in TOOLS
     modules = sorted(PACKAGE.glob("*.py"))
     assert len(modules) >= 8
     for path in modules:

@@ -18,7 +18,7 @@ import pytest
 from helpers import ROOT, run_script, run_tool
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from runs import differing_labels, load_module, load_script_for_run, metric_table, read_run, script_path_for_run  # noqa: E402
+from runlib import differing_labels, load_module, load_script_for_run, metric_table, read_run, script_path_for_run  # noqa: E402
 from ppo_support import devices, envs
 
 TINY = ["--num-total-env-steps", "256", "--num-seeds", "2"]
@@ -67,6 +67,30 @@ def test_sweep_resume_skips_finished_runs_and_reruns_an_interrupted_one(sweep_di
     # One fresh metrics file, not the interrupted run's rows plus the new ones.
     cycles = [json.loads(line)["cycle"] for line in (interrupted / "metrics.jsonl").read_text().splitlines()]
     assert cycles == [1, 1, 2, 2]
+
+
+def test_sweep_takes_any_flag_of_a_copy_outside_the_repository(tmp_path):
+    """A copy with a float flag of its own, swept by scripts/sweep.py --script PATH (one process per
+    value), with a list-valued flag beside it: each run gets its values, its folder names them."""
+    copy = tmp_path / "elsewhere" / "my_ppo.py"
+    copy.parent.mkdir()
+    source = (ROOT / "ppo_mlp.py").read_text()
+    anchor = "    ent_coef: float"
+    assert source.count(anchor) == 1
+    copy.write_text(source.replace(anchor, "    logit_l2_coef: float = 0.0  # a flag of the copy's own\n" + anchor))
+    out_dir = tmp_path / "out"
+    result = run_tool("scripts/sweep.py", "--script", str(copy), "--logit-l2-coef", "0", "0.01", "--hidden-sizes", "8,8",
+                      "--num-parallel-envs", "4", "--num-env-steps-per-cycle", "32", "--out-dir", str(out_dir), "--", *TINY,
+                      cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    folders = [f"envs4_steps32_mb4_ep4_logit-l2-coef={value}_hidden-sizes=8x8" for value in ["0", "0.01"]]
+    assert sorted(path.name for path in out_dir.iterdir() if path.is_dir()) == sorted(folders)
+    for folder, value in zip(folders, [0.0, 0.01]):
+        args = json.loads((out_dir / folder / "args.json").read_text())
+        assert (args["logit_l2_coef"], args["hidden_sizes"], args["script_path"]) == (value, [8, 8], str(copy.resolve()))
+    rows = list(csv.DictReader(open(out_dir / "sweep.csv")))
+    assert [(row["logit_l2_coef"], row["hidden_sizes"], row["status"]) for row in rows] == [("0", "8x8", "ran"), ("0.01", "8x8", "ran")]
+    assert "| logit l2 coef | env steps/s |" in (out_dir / "sweep.md").read_text()
 
 
 def test_plot_writes_a_png_labelled_by_the_differing_args(sweep_dir, tmp_path):
@@ -127,7 +151,7 @@ def test_null_returns_are_missing_values_not_zeros(tmp_path):
 
 def test_ablate_flips_normalisation_sticky_actions_and_the_torso_where_the_script_has_them():
     import ablate
-    from runs import script_defaults
+    from runlib import script_defaults
 
     details = {detail.name: detail for detail in ablate.DETAILS}
     expected = {  # detail: (ppo_mlp.py's flags or None when skipped, ppo_lstm_impala.py's)
@@ -402,6 +426,12 @@ def test_evaluate_masks_invalid_actions_of_the_lstm_policy_as_in_training(tmp_pa
         (["plot.py", ".", "--out", "x.png", "--ci", "bootstrap", "--band", "minmax"], "--ci bootstrap and --band minmax"),
         (["sweep.py", "--num-parallel-envs", "0", "--out-dir", "unused"], "--num-parallel-envs"),
         (["sweep.py", "--script", "nope.py", "--out-dir", "unused"], "--script"),
+        (["sweep.py", "--script", "no/such/copy.py", "--out-dir", "unused"], "--script no/such/copy.py"),
+        (["sweep.py", "--no-such-flag", "1", "2", "--out-dir", "unused"], "--no-such-flag"),
+        (["sweep.py", "--norm-adv", "maybe", "--out-dir", "unused"], "--norm-adv"),
+        (["sweep.py", "--ent-coef", "--out-dir", "unused"], "--ent-coef"),
+        (["sweep.py", "--lr", "1e-3", "--lr", "3e-4", "--out-dir", "unused"], "--lr is given twice"),
+        (["ablate.py", "--script", "no/such/copy.py", "--out-dir", "unused"], "--script no/such/copy.py"),
         (["ablate.py", "--details", "nope", "--out-dir", "unused"], "--details"),
         (["ablate.py", "--num-seeds", "0", "--out-dir", "unused"], "--num-seeds"),
         (["evaluate.py", "no/such/run"], "not a finished run dir"),
@@ -470,3 +500,78 @@ def test_plot_skips_a_torn_last_metrics_line(tmp_path):
     assert [row["cycle"] for row in read_run(tmp_path).rows] == [1, 1, 2, 2]
     result = run_script("scripts/plot.py", str(tmp_path), "--out", str(tmp_path / "curves.png"), timeout=120)
     assert result.returncode == 0 and (tmp_path / "curves.png").stat().st_size > 0, result.stderr
+
+
+@pytest.mark.parametrize("value, label", [
+    (0, "0"), (500, "500"), (0.25, "0.25"), (2500, "2.5k"), (100_000, "100k"), (120_000, "120k"), (1_000_000, "1M"),
+    (1_500_000, "1.5M"), (20_000_000, "20M"), (2_000_000_000, "2B"), (-50_000, "-50k"),
+])
+def test_tick_labels_are_short(value, label):
+    """Ticks at 100000, 120000, 140000 read 100k, 120k, 140k, not digits that run together."""
+    from runlib import format_steps
+
+    assert format_steps(value) == label
+
+
+def draw_with(monkeypatch, module, arguments: list[str]):
+    """Runs a tool's main in this process and returns the figures it would have written (the
+    figures stay open, for the test to read; nothing is written)."""
+    import runlib
+
+    figures = []
+    monkeypatch.setattr(runlib, "save_figure", lambda figure, out: figures.append(figure))
+    assert module.main(arguments) == 0
+    return figures
+
+
+def curves_run_dirs(tmp_path: Path) -> list[Path]:
+    """Two hand-written CartPole run dirs of 3 seeds over 1.2M env steps, differing in lr."""
+    from helpers import write_run_dir
+
+    returns = {seed: [float(cycle * seed) for cycle in range(1, 61)] for seed in (1, 2, 3)}
+    return [write_run_dir(tmp_path / name, {"env_id": "CartPole-v1", "lr": lr}, returns, env_steps_per_cycle=20_000)
+            for name, lr in [("a", 1e-3), ("b", 3e-4)]]
+
+
+def test_plot_title_labels_axes_ticks_and_a_legend_below_the_curves(tmp_path, monkeypatch):
+    import plot
+
+    runs = [str(path) for path in curves_run_dirs(tmp_path)]
+    (default,) = draw_with(monkeypatch, plot, [*runs, "--out", str(tmp_path / "a.png")])
+    (ax,) = default.axes
+    assert default._suptitle.get_text() == "CartPole-v1"  # the env id
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("env steps (per seed)", "charts/episodic_return")
+    assert [text.get_text() for text in default.legends[0].get_texts()] == ["lr=0.001 (3 seeds)", "lr=0.0003 (3 seeds)"]
+    default.canvas.draw()
+    assert {label.get_text() for label in ax.get_xticklabels()} >= {"0", "400k", "800k"}
+    legend_box, axes_box = default.legends[0].get_window_extent(), ax.get_window_extent()
+    assert legend_box.y1 <= axes_box.y0  # below the axes: it covers no curve
+
+    (titled,) = draw_with(monkeypatch, plot, [*runs, "--out", str(tmp_path / "b.pdf"), "--title", "PPO on CartPole",
+                                              "--labels", "fast", "slow"])
+    assert titled._suptitle.get_text() == "PPO on CartPole"
+    assert [text.get_text() for text in titled.legends[0].get_texts()] == ["fast (3 seeds)", "slow (3 seeds)"]
+
+
+def test_a_metric_is_read_under_either_of_its_names_also_in_an_old_run_dir(tmp_path, monkeypatch):
+    """CleanRL's `losses/approx_kl` is our `losses/actor_approxkl3`: an old run dir (ours only) and
+    one that has only CleanRL's name give the same table under either name."""
+    import plot
+    from helpers import write_run_dir
+    from runlib import METRIC_ALIASES
+
+    from ppo_support import contract
+
+    assert METRIC_ALIASES["losses/approx_kl"] == "losses/actor_approxkl3" and len(METRIC_ALIASES) == 2 * len(contract.CLEANRL_NAMES)
+    kl = {1: [0.01, 0.02], 2: [0.03, 0.04]}
+    returns = {1: [1.0, 2.0], 2: [3.0, 4.0]}
+    old = write_run_dir(tmp_path / "old", {"env_id": "CartPole-v1"}, returns, more={"losses/actor_approxkl3": kl})
+    cleanrl_only = write_run_dir(tmp_path / "cleanrl", {"env_id": "CartPole-v1"}, returns, more={"losses/approx_kl": kl})
+    for run_dir in [old, cleanrl_only]:
+        for name in ["losses/approx_kl", "losses/actor_approxkl3"]:
+            steps, values, seeds = metric_table(read_run(run_dir), name)
+            np.testing.assert_array_equal(values, [[0.01, 0.03], [0.02, 0.04]])
+    (figure,) = draw_with(monkeypatch, plot, [str(old), "--out", str(tmp_path / "kl.png"), "--metric", "losses/approx_kl"])
+    assert figure.axes[0].get_ylabel() == "losses/approx_kl" and len(figure.axes[0].get_lines()) == 1
+    _, values, _ = metric_table(read_run(old), "losses/clipfrac")  # neither name logged: all NaN
+    assert np.isnan(values).all()

@@ -1,13 +1,43 @@
-"""Quick tests of the tools in scripts/ (tiny budgets; they only check that the tools work)."""
+"""Quick tests of the tools in scripts/ (tiny budgets; they only check that the tools work), and
+of their layering: each has --help, and none imports another (what they share is runlib.py)."""
 
 from __future__ import annotations
 
+import ast
 import re
 
 import pytest
 from helpers import ROOT, run_script, run_tool
 
 from ppo_support import cli
+
+LIBRARY = "runlib"  # scripts/runlib.py: what the tools share; not a tool
+TOOLS = sorted(path.stem for path in (ROOT / "scripts").glob("*.py") if path.stem != LIBRARY)
+
+
+def imported_names(path) -> set[str]:
+    """The top-level name of every module a file imports."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.partition(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module.partition(".")[0])
+    return names
+
+
+def test_no_tool_imports_another_tool():
+    assert len(TOOLS) >= 10 and {"plot", "ablate", "sweep", "benchmark", "compare"} <= set(TOOLS)
+    for path in (ROOT / "scripts").glob("*.py"):
+        other_tools = imported_names(path) & (set(TOOLS) - {path.stem})
+        assert not other_tools, f"{path.name} imports {sorted(other_tools)}"
+
+
+@pytest.mark.parametrize("tool", [*TOOLS, LIBRARY])
+def test_every_tool_prints_a_usage_on_help(tool):
+    result = run_script(f"scripts/{tool}.py", "--help", timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("usage: ") and len(result.stdout.splitlines()) > 3, result.stdout
 
 
 def test_benchmark_prints_a_markdown_row_per_config(tmp_path):

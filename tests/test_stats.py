@@ -1,4 +1,4 @@
-"""scripts/stats.py against hand computations on tiny arrays: the interquartile mean, the
+"""The statistics of scripts/runlib.py against hand computations on tiny arrays: the interquartile mean, the
 probability of improvement and percentile bootstrap confidence intervals."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 from helpers import ROOT
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from stats import (  # noqa: E402
+from runlib import (  # noqa: E402
     bootstrap_ci,
     bootstrap_draws,
     bootstrap_mean_ci_per_row,
