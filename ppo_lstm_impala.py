@@ -21,7 +21,7 @@ import dataclasses
 import math
 import sys
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import flax.linen as nn
 from flax import traverse_util
@@ -48,7 +48,14 @@ class Args:
     exp_name: str = Path(__file__).stem  # name of the experiment, in the default run dir and the wandb run name
     seed: int = 1  # seed of the first run; seed i uses seed + i
     num_seeds: int = 1  # independent seeds trained together in one compiled program (jax.vmap; on CPU in turn)
-    sweep: tuple[str, ...] = ()  # KEY=V1,V2,...: a grid of hyper-parameters (lr, clip-eps, norm-adv, ...) x seeds in one program
+    sweep: tuple[str, ...] = ()  # KEY=V1,V2,...: a grid of the flags in `sweepable` (below) x seeds in one program
+    # What --sweep may vary inside one program: flags that only enter the math as values (traced
+    # scalars; a bool through jnp.where), never an array's shape or a Python `if`. A float or bool
+    # flag you add to a copy can join them.
+    sweepable: ClassVar[tuple[str, ...]] = (
+        "lr", "clip_eps", "ent_coef", "vf_coef", "gamma", "gae_lambda", "max_grad_norm", "adam_eps", "target_kl",
+        "norm_adv", "clip_vloss", "anneal_lr", "anneal_clip_eps",
+    )
     num_total_env_steps: int = 20_000_000  # environment steps per seed
 
     # --- rollout (37 details: 1 vectorized env, 30 reward scaling) ----------------------
@@ -97,7 +104,7 @@ class Args:
     # stored during the rollout (no gradient through time, more memory)
     lstm_training: Literal["bptt", "stored"] = "bptt"
     separate_critic: bool = False  # the critic gets its own torso and LSTM, instead of sharing the actor's
-    lstm_forget_bias: float = 0.0  # added to the LSTM forget gate's initial bias (1.0: Jozefowicz et al. 2015); 0: CleanRL's
+    lstm_forget_bias: float | None = None  # added to the LSTM forget gate's initial bias; None: 1.0 (Jozefowicz et al. 2015) where there is an LSTM; 0: CleanRL's
     prev_action_reward: bool = False  # the LSTM also gets the previous action (one-hot) and raw reward; zeros at an episode start
     frame_stack: int = 1  # stack the last K observations along the channel axis
     orthogonal_init: bool = True  # gains sqrt(2) convs/dense, 1 LSTM, 0.01 actor, 1 critic, zero biases; off: flax's
@@ -477,16 +484,19 @@ def init_params(network: ActorCritic, key: jax.Array, args: Args, obs_shape: tup
     carry = jnp.zeros((1, args.carry_size), jnp.float32)
     prev_action_reward = jnp.zeros((1, 1, network.num_actions + 1), jnp.float32) if args.prev_action_reward else None
     params = network.init(key, carry, jnp.zeros((1, 1, *obs_shape), jnp.float32), jnp.zeros((1, 1), bool), prev_action_reward)
-    return add_forget_bias(params, args.lstm_forget_bias) if args.lstm_forget_bias else params
+    return add_forget_bias(params, args.lstm_forget_bias)
 
 
-def add_forget_bias(params: Any, forget_bias: float) -> Any:
+def add_forget_bias(params: Any, forget_bias: float | None) -> Any:
     """--lstm-forget-bias: adds forget_bias to the forget gate's bias (flax's `hf`) of every LSTM, so
-    that at initialisation the cell keeps its memory (sigmoid(1) = 0.73 of it per step, not half)."""
+    that at initialisation the cell keeps its memory (sigmoid(1) = 0.73 of it per step, not half).
+    None (the default) adds 1.0 where there is an LSTM and leaves a network without one (--lstm-size
+    0, a GRU) as it is; a value given for a network without one is refused."""
     flat = traverse_util.flatten_dict(params)
     forget_gates = [path for path in flat if path[-2:] == ("hf", "bias")]
-    if not forget_gates:
+    if not forget_gates and forget_bias:
         raise cli.ConfigError("--lstm-forget-bias: the network has no LSTM forget gate (a parameter .../hf/bias)")
+    forget_bias = 1.0 if forget_bias is None else forget_bias
     return traverse_util.unflatten_dict({**flat, **{path: flat[path] + forget_bias for path in forget_gates}})
 
 
@@ -1067,10 +1077,23 @@ def validate_args(args: Args) -> None:
         raise cli.ConfigError("--lstm-forget-bias sets the LSTM's forget gate, and --lstm-size 0 has none")
 
 
+TORSO_FLAGS = {"impala": ("impala_channels", "torso_size"), "nature": (), "mlp": ("hidden_sizes", "activation")}
+
+
 def check_observations(args: Args, env: Any, env_params: Any) -> None:
     """--torso impala and nature take (H, W, C) images, nature of at least SMALL_NATURE_MIN_SIDE px
-    a side; mlp (and auto) any observation."""
+    a side; mlp (and auto) any observation. A torso flag set away from its default that the torso
+    in use does not read (TORSO_FLAGS) is refused, instead of being ignored."""
     obs_shape = tuple(env.observation_space(env_params).shape)
+    torso = resolved_torso(args.torso, obs_shape)
+    defaults = {field.name: field.default for field in dataclasses.fields(Args)}
+    for name in [name for names in TORSO_FLAGS.values() for name in names if name not in TORSO_FLAGS[torso]]:
+        if getattr(args, name) != defaults[name]:
+            reads = " and ".join(map(cli.flag, TORSO_FLAGS[torso])) or "no size flag (its layers are the Nature DQN's)"
+            raise cli.ConfigError(
+                f"{cli.flag(name)} is not read by the {torso} torso (--torso {args.torso}, --env-id {args.env_id}), which "
+                f"reads {reads}"
+            )
     if args.torso in ("impala", "nature") and len(obs_shape) != 3:
         raise cli.ConfigError(
             f"--torso {args.torso} needs (H, W, C) images; --env-id {args.env_id} has observations of shape "

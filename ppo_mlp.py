@@ -15,7 +15,7 @@ import dataclasses
 import math
 import sys
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, ClassVar, Literal, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -41,7 +41,14 @@ class Args:
     exp_name: str = Path(__file__).stem  # name of the experiment, in the default run dir and the wandb run name
     seed: int = 1  # seed of the first run; seed i uses seed + i
     num_seeds: int = 1  # independent seeds trained together in one compiled program (jax.vmap)
-    sweep: tuple[str, ...] = ()  # KEY=V1,V2,...: a grid of hyper-parameters (lr, clip-eps, norm-adv, ...) x seeds in one program
+    sweep: tuple[str, ...] = ()  # KEY=V1,V2,...: a grid of the flags in `sweepable` (below) x seeds in one program
+    # What --sweep may vary inside one program: flags that only enter the math as values (traced
+    # scalars; a bool through jnp.where), never an array's shape or a Python `if`. A float or bool
+    # flag you add to a copy can join them.
+    sweepable: ClassVar[tuple[str, ...]] = (
+        "lr", "clip_eps", "ent_coef", "vf_coef", "gamma", "gae_lambda", "max_grad_norm", "adam_eps", "target_kl",
+        "norm_adv", "clip_vloss", "anneal_lr", "anneal_clip_eps",
+    )
     num_total_env_steps: int = 500_000  # environment steps per seed
 
     # --- rollout (37 details: 1 vectorized env, 28-30 normalisation) -------------------

@@ -73,7 +73,25 @@ def check_common_args(args: Any, more_positive_ints: tuple[str, ...] = ()) -> No
     if args.optimistic_reset_ratio < 1:
         raise ConfigError(f"--optimistic-reset-ratio must be at least 1, got {args.optimistic_reset_ratio}")
     check_distributed_args(args)
+    check_unread_flags(args)
     check_sweep(args, more_positive_ints)
+
+
+WANDB_FLAGS = ("wandb_project", "wandb_entity", "wandb_group", "wandb_tags", "wandb_run_per_seed", "wandb_mode")
+EVAL_FLAGS = ("eval_episodes", "eval_greedy")
+
+
+def check_unread_flags(args: Any) -> None:
+    """A flag set away from its default that this configuration never reads is refused, rather
+    than accepted and ignored: the wandb flags without --track, the evaluation's without
+    --eval-every-cycles or --capture-video. (The scripts check their own, e.g. the torso's.)"""
+    defaults = {field.name: field.default for field in dataclasses.fields(args)}
+    unread = {name: "--track" for name in WANDB_FLAGS if not args.track}
+    if args.eval_every_cycles is None and not args.capture_video:
+        unread.update({name: "--eval-every-cycles K (or --capture-video)" for name in EVAL_FLAGS})
+    for name, needed in unread.items():
+        if getattr(args, name) != defaults[name]:
+            raise ConfigError(f"{flag(name)} is read only with {needed}, which this run does not have")
 
 
 def check_sweep(args: Any, more_positive_ints: tuple[str, ...]) -> None:

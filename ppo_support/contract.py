@@ -1,5 +1,5 @@
-"""What the package reads from a script, in one place: the fields of its `Args` and the metric
-names. The package reads these by name and nothing else of the script's (a test records every
+"""What the package reads from a script, in one place: the fields of its `Args` (and
+`Args.sweepable`, the flags --sweep may vary) and the metric names. The package reads these by name and nothing else of the script's (a test records every
 field it reads in real runs). A copy that drops or renames one of them is refused before anything
 is compiled or written, in one line that names it (exit code 2), instead of failing later.
 
@@ -57,9 +57,18 @@ def script_name(args_class: type) -> str:
 
 
 def check_args_class(args_class: type) -> None:
-    """Every field of ARGS_FIELDS is a field or a property of the script's Args."""
+    """Every field of ARGS_FIELDS is a field or a property of the script's Args, and Args.sweepable
+    (the flags --sweep may vary, sweeps.py) is there."""
     fields = {field.name for field in dataclasses.fields(args_class)}
     missing = [name for name in ARGS_FIELDS if name not in fields and not isinstance(getattr(args_class, name, None), property)]
+    if not isinstance(getattr(args_class, "sweepable", None), tuple):
+        raise ConfigError(
+            f"{script_name(args_class)}: its Args has no `sweepable` (a ClassVar tuple of the flags --sweep may vary), "
+            "which ppo_support reads: put it back (ppo_support/contract.py lists what the package reads)"
+        )
+    unknown = [name for name in args_class.sweepable if name not in fields]
+    if unknown:
+        raise ConfigError(f"{script_name(args_class)}: Args.sweepable names {', '.join(unknown)}, which Args does not have")
     if missing:
         raise ConfigError(
             f"{script_name(args_class)}: its Args has no {', '.join(missing)} ({', '.join(flag(name) for name in missing)}), "

@@ -321,9 +321,10 @@ class Session:
                 flush=True,
             )
         else:
-            returns = " | ".join(f"{point['point']}: {logs.fmt(point['final_episodic_return'])}" for point in summary["points"])
-            print(f"done: {summary['sps']:,.0f} env steps/s, compile {self.compile_seconds:.1f} s, final return by point "
-                  f"{returns}", flush=True)
+            returns = " | ".join(f"{sweeps.point_label(point)}: {logs.fmt(point_summary['final_episodic_return'])}"
+                                 for point, point_summary in zip(self.grid.points, summary["points"]))
+            print(f"done: {summary['sps']:,.0f} env steps/s, compile {self.compile_seconds:.1f} s, final return by point: "
+                  f"{returns} | run dir: {self.path}", flush=True)
         level = "error" if self.grid is None or summary["every_point_failed"] else "warning"
         for index, ((_, folder), point_summary) in enumerate(zip(self.points, summaries)):
             where = "" if self.grid is None else f"point {index} ({sweeps.point_label(self.grid.points[index])}): "

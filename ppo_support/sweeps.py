@@ -6,7 +6,8 @@ seeds are stacked on the scripts' seed axis, vmapped (or in turn: cpu.seeds_in_t
 runs point-major: run = point * num_seeds + seed index. Each run carries its point's values in its state, one
 small dict (the state's `sweep` field, None without --sweep); the script's train_cycle swaps
 them into its Args (point_args), so the algorithm reads `args.lr` as always, a traced scalar
-here. Only what changes no array shape and no program structure can be swept (SWEEPABLE).
+here. Only what changes no array shape and no program structure can be swept: the script's
+`Args.sweepable` names those flags (a bool among them is a switch: both branches run, one is kept).
 
 On the host, each point is also a run of its own: RUN_DIR/point-<i>/ holds its args.json (the
 point's values in place of the grid), metrics.jsonl (rows tagged with "sweep"), summary.json
@@ -29,17 +30,22 @@ import numpy as np
 from . import logs
 from .errors import ConfigError, flag
 
-# Sweepable inside one program: they reach the algorithm as values, never as shapes or branches
-# the program must choose between (a swept bool is a switch: both branches run, one is kept).
-SWEEPABLE_FLOATS = ("lr", "clip_eps", "ent_coef", "vf_coef", "gamma", "gae_lambda", "max_grad_norm", "adam_eps", "target_kl")
-SWEEPABLE_BOOLS = ("norm_adv", "clip_vloss", "anneal_lr", "anneal_clip_eps")
-SWEEPABLE = SWEEPABLE_FLOATS + SWEEPABLE_BOOLS
 POINT_DIR = "point-{index}"
 
 
 class Grid(NamedTuple):
     keys: tuple[str, ...]  # Args field names, in the order given
     points: tuple[dict[str, Any], ...]  # {field: value} per point; the last axis varies fastest
+    switches: tuple[str, ...] = ()  # the keys that are bools
+
+
+def sweepable(args: Any) -> tuple[str, ...]:
+    """The flags --sweep may vary: the script's `Args.sweepable` (contract.py)."""
+    return tuple(getattr(type(args), "sweepable", ()))
+
+
+def is_switch(args: Any, name: str) -> bool:
+    return isinstance(next(field.default for field in dataclasses.fields(args) if field.name == name), bool)
 
 
 def sweep_flag(name: str) -> str:
@@ -61,7 +67,7 @@ def parse(args: Any) -> Grid | None:
         if not equals or not all(names):
             raise ConfigError(f"--sweep takes KEY=V1,V2,..., got {entry!r}")
         for name in names:
-            check_key(name, key, fields, [name for axis_names, _ in axes for name in axis_names])
+            check_key(name, key, fields, sweepable(args), [name for axis_names, _ in axes for name in axis_names])
         if len(set(names)) < len(names):
             raise ConfigError(f"--sweep {key}: a key given twice")
         items = [item.strip() for item in text.split(",")]
@@ -73,7 +79,7 @@ def parse(args: Any) -> Grid | None:
             if len(parts) != len(names):
                 raise ConfigError(f"--sweep {key}: {item!r} gives {len(parts)} values for {len(names)} keys; join a point's "
                                   "values with colons")
-            parsed.append(tuple(parse_value(name, key, part.strip()) for name, part in zip(names, parts)))
+            parsed.append(tuple(parse_value(name, key, part.strip(), is_switch(args, name)) for name, part in zip(names, parts)))
         repeated = [item for item, value in zip(items, parsed) if parsed.count(value) > 1]
         if repeated:
             raise ConfigError(f"--sweep {key}: {' and '.join(repeated)} are the same value")
@@ -82,23 +88,24 @@ def parse(args: Any) -> Grid | None:
     points = tuple(
         dict(zip(keys, itertools.chain.from_iterable(combination))) for combination in itertools.product(*(v for _, v in axes))
     )
-    return Grid(keys, points)
+    return Grid(keys, points, tuple(name for name in keys if is_switch(args, name)))
 
 
-def check_key(name: str, key: str, fields: set[str], earlier: list[str]) -> None:
+def check_key(name: str, key: str, fields: set[str], keys: tuple[str, ...], earlier: list[str]) -> None:
     if name not in fields:
-        raise ConfigError(f"--sweep {key}: no such flag; sweepable: {', '.join(map(sweep_flag, SWEEPABLE))}")
-    if name not in SWEEPABLE:
+        raise ConfigError(f"--sweep {key}: no such flag; sweepable: {', '.join(map(sweep_flag, keys))}")
+    if name not in keys:
         raise ConfigError(
-            f"--sweep {key}: {flag(name)} changes array shapes or the program's structure, so it cannot be swept "
-            "inside one program; sweep it with scripts/sweep.py (one process per value)"
+            f"--sweep {key}: {flag(name)} is not in the script's Args.sweepable, the flags one program can vary (values "
+            "only: no array shape and no Python `if` depends on them); add it there if that holds for it, or sweep it "
+            "with scripts/sweep.py, one process per value"
         )
     if name in earlier:
         raise ConfigError(f"--sweep {key}: given twice")
 
 
-def parse_value(name: str, key: str, text: str) -> Any:
-    if name in SWEEPABLE_BOOLS:
+def parse_value(name: str, key: str, text: str, switch: bool) -> Any:
+    if switch:
         if text.lower() not in ("true", "false"):
             raise ConfigError(f"--sweep {key}: {text!r} is not true or false")
         return text.lower() == "true"
@@ -139,7 +146,7 @@ def runs_of_points(states: Any, grid: Grid | None, num_seeds: int) -> Any:
     if grid is None:
         return states
     runs = jax.tree.map(lambda leaf: jnp.concatenate([leaf] * len(grid.points)), states)
-    dtypes = {name: jnp.bool_ if name in SWEEPABLE_BOOLS else jnp.float32 for name in grid.keys}
+    dtypes = {name: jnp.bool_ if name in grid.switches else jnp.float32 for name in grid.keys}
     sweep = {
         name: jnp.asarray([point[name] for point in grid.points for _ in range(num_seeds)], dtypes[name])
         for name in grid.keys
@@ -211,17 +218,18 @@ class PointLoggers:
             self.print_line(cycles[-1], np.asarray(values, np.float64)[-1], now)
 
     def print_line(self, cycle: int, row: np.ndarray, now: float) -> None:
-        """Progress, and each point's return (mean over its seeds)."""
+        """Progress, and each point's return (mean over its seeds), named by its values."""
         steps = (cycle - self.last_cycle) * self.args.batch_size * row.shape[-1]
         sps = steps / max(now - self.last_time, 1e-9)
         self.last_print, self.last_time, self.last_cycle = now, now, cycle
         returns = row[self.metric_names.index("charts/episodic_return")].reshape(len(self.grid.points), -1)
         by_point = " | ".join(
-            f"{index}: {np.nanmean(point_returns):.2f}" if np.isfinite(point_returns).any() else f"{index}: -"
-            for index, point_returns in enumerate(returns)
+            f"{point_label(point)}: {np.nanmean(point_returns):.2f}" if np.isfinite(point_returns).any()
+            else f"{point_label(point)}: -"
+            for point, point_returns in zip(self.grid.points, returns)
         )
         print(f"cycle {cycle}/{self.args.num_cycles} | env steps {cycle * self.args.batch_size:,} | SPS {sps:,.0f} | "
-              f"return by point {by_point}", flush=True)
+              f"return by point: {by_point}", flush=True)
 
     def log_video(self, path: Path, cycle: int) -> None:  # videos show point 0's first seed
         self.loggers[0].log_video(path, cycle)

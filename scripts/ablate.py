@@ -52,6 +52,7 @@ from runlib import (  # noqa: E402
     pyplot,
     read_run,
     run_once,
+    load_script,
     script_defaults,
     script_file,
     split_passthrough,
@@ -105,7 +106,8 @@ DETAIL_NAMES = [detail.name for detail in DETAILS]
 SWEEP_RUN = "sweep"  # the subfolder of the --sweep that trains the baseline and the sweepable details
 
 
-def swept_details(planned: list[tuple[str, list[str], str]], defaults: dict[str, Any]) -> list[tuple[str, str, Any]]:
+def swept_details(planned: list[tuple[str, list[str], str]], defaults: dict[str, Any],
+                  sweepable: tuple[str, ...]) -> list[tuple[str, str, Any]]:
     """(name, field, flipped value) of each planned detail that one --sweep can train beside the
     baseline: one field the sweep takes, with a value other than the default (not None)."""
     if "sweep" not in defaults:
@@ -115,7 +117,7 @@ def swept_details(planned: list[tuple[str, list[str], str]], defaults: dict[str,
     for name, _, _ in planned[1:]:
         field = next(field for field in details[name].fields if field in defaults)
         value = details[name].flipped(defaults[field])
-        if field in sweeps.SWEEPABLE and None not in (value, defaults[field]) and value != defaults[field]:
+        if field in sweepable and None not in (value, defaults[field]) and value != defaults[field]:
             swept.append((name, field, value))
     return swept
 
@@ -308,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
             planned.append((detail.name, flags, change))
 
     rows = []
-    swept = swept_details(planned, defaults)
+    swept = swept_details(planned, defaults, getattr(load_script(script).Args, "sweepable", ()))
     if swept:  # the baseline and these details in one process
         result = run_once(script, common + sweep_flags(swept, defaults), options.out_dir / SWEEP_RUN, extra)
         if result.status == "rejected":

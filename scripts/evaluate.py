@@ -1,6 +1,6 @@
 """Evaluates the final policy of every seed of a run dir, and optionally writes a GIF.
 
-    python scripts/evaluate.py runs/cartpole --episodes 32 --greedy
+    python scripts/evaluate.py runs/cartpole --episodes 32 --sampled
     python scripts/evaluate.py runs/breakout --gif breakout.gif
     python scripts/evaluate.py runs/shared --script ppo_mlp.py   # not the script args.json names
 
@@ -10,6 +10,8 @@ one --script names (`script_path_for_run` in runlib.py). It prints that script's
 imports one that lies inside the run dir. The policy is played by the script's own evaluation
 (its make_evaluation, as in --eval-every-cycles): each seed plays --episodes episodes in parallel
 fresh envs (vmapped over seeds, one jit), and the return of each env's first episode counts.
+Actions are chosen as the run's own evaluation chose them (its --eval-greedy, on by default: the
+argmax), unless --greedy or --sampled says otherwise.
 Prints `mean_return: X ± Y` (std over all episodes of all seeds), then one line per seed.
 
 As in training: the LSTM's carry is threaded through the steps and reset where an episode
@@ -61,12 +63,13 @@ def load_policy(run_dir: Path, script: Path | None) -> tuple[ModuleType, Any, An
     return module, args, states
 
 
-def evaluate(run_dir: Path, episodes: int, greedy: bool, seed: int, gif: Path | None, script: Path | None) -> int:
+def evaluate(run_dir: Path, episodes: int, greedy: bool | None, seed: int, gif: Path | None, script: Path | None) -> int:
     if not (run_dir / "args.json").is_file() or not (run_dir / "params.msgpack").is_file():
         raise UsageError(f"{run_dir} is not a finished run dir (needs args.json and params.msgpack)")
     if gif is not None and gif.suffix.lower() != ".gif":
         raise UsageError(f"--gif {gif}: the file name must end in .gif")
     module, args, states = load_policy(run_dir, script)
+    greedy = args.eval_greedy if greedy is None else greedy  # the run's own evaluation, unless told otherwise
     args = dataclasses.replace(args, eval_episodes=episodes, eval_greedy=greedy)
     env, env_params = module.envs.make_env(args.env_id, param_values=args.env_params)
     videos = module.sessions.videos  # the script's own package's videos (its sessions records with them)
@@ -128,7 +131,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("run_dir", type=Path, metavar="RUN_DIR")
     parser.add_argument("--episodes", type=int, default=10, help="episodes per seed, run in parallel")
-    parser.add_argument("--greedy", action="store_true", help="argmax actions instead of sampling")
+    choice = parser.add_mutually_exclusive_group()
+    choice.add_argument("--greedy", action="store_const", const=True, default=None,
+                        help="argmax actions (default: as the run's --eval-greedy, on unless it trained with --no-eval-greedy)")
+    choice.add_argument("--sampled", dest="greedy", action="store_const", const=False, help="sample actions, as in training")
     parser.add_argument("--gif", type=Path, help="write the first seed's first episode to this .gif")
     parser.add_argument("--seed", type=int, default=0, help="seed of the evaluation episodes")
     parser.add_argument("--script", type=Path, help="the training script to load (default: the one args.json records)")

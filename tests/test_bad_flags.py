@@ -60,6 +60,9 @@ COMMON = [
     (["--wandb-group", "g" * 129], "--wandb-group"),
     (["--wandb-tags", "ok", ""], "--wandb-tags"),
     (["--wandb-tags", "t" * 65], "--wandb-tags"),
+    (["--wandb-project", "mine"], "--wandb-project"),  # read only with --track
+    (["--wandb-mode", "offline"], "--wandb-mode"),  # read only with --track
+    (["--wandb-run-per-seed"], "--wandb-run-per-seed"),  # read only with --track
     (["--log-every-cycles", "-1"], "--log-every-cycles"),
     (["--checkpoint-every-cycles", "0"], "--checkpoint-every-cycles"),
     (["--checkpoint-every-cycles", "often"], "--checkpoint-every-cycles"),
@@ -68,6 +71,8 @@ COMMON = [
     (["--eval-every-cycles", "-2"], "--eval-every-cycles"),
     (["--eval-episodes", "0"], "--eval-episodes"),
     (["--eval-episodes", "-1"], "--eval-episodes"),
+    (["--eval-episodes", "32"], "--eval-episodes"),  # read only with --eval-every-cycles or --capture-video
+    (["--no-eval-greedy"], "--eval-greedy"),  # read only with --eval-every-cycles or --capture-video
     (["--run-dir", ""], "--run-dir"),
     (["--resume", ""], "--resume"),
     (["--resume", "no/such/run"], "--resume"),
@@ -113,6 +118,13 @@ ONLY = {
         (["--lstm-size", "0", "--prev-action-reward"], "--prev-action-reward"),  # no LSTM to feed
         (["--lstm-size", "0", "--lstm-forget-bias", "1"], "--lstm-forget-bias"),  # no forget gate
         (["--norm-obs"], "--norm-obs"),  # ppo_mlp.py's flag: image observations are not normalised
+        # a torso flag away from its default that the torso in use does not read
+        (["--env-id", "CartPole-v1", "--torso-size", "128"], "--torso-size"),  # auto: the mlp torso
+        (["--env-id", "CartPole-v1", "--torso", "mlp", "--impala-channels", "3"], "--impala-channels"),
+        (["--hidden-sizes", "7"], "--hidden-sizes"),  # auto on images: the impala torso
+        (["--torso", "impala", "--activation", "relu"], "--activation"),
+        (["--torso", "nature", "--impala-channels", "4", "4"], "--impala-channels"),
+        (["--torso", "nature", "--torso-size", "128"], "--torso-size"),
         (["--torso", "resnet"], "--torso"),
         (["--torso", "nature", "--env-id", "probe_envs:ConstantRewardImage"], "--torso nature"),  # 3x3 images
         (["--env-id", "MiniGrid-Empty-5x5", "--optimistic-reset-ratio", "4", "--sticky-action-prob", "0.1"],

@@ -64,6 +64,7 @@ def test_the_package_reads_only_the_args_fields_the_contract_lists(script):
 @pytest.mark.parametrize("edit, named", [
     (lambda text: text.replace("\n    adam_eps: float = 1e-5", "\n"), "adam_eps"),  # the field dropped
     (lambda text: text.replace('"losses/policy_loss"', '"losses/pg_loss"'), "losses/policy_loss"),  # the metric renamed
+    (lambda text: text.replace("    sweepable: ClassVar", "    sweeps: ClassVar"), "sweepable"),  # --sweep's flags, renamed
 ])
 def test_a_copy_without_a_field_or_a_metric_the_package_reads_gets_one_line_and_exit_2(script, edit, named, tmp_path):
     text = (ROOT / script).read_text()

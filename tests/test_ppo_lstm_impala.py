@@ -153,8 +153,8 @@ def test_orthogonal_init_gains_and_zero_biases():
     _, _, params = make_network_and_params((5, 5, 2))
     leaves = {jax.tree_util.keystr(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params)}
     for name, leaf in leaves.items():
-        if "bias" in name:
-            assert np.all(np.asarray(leaf) == 0), name
+        if "bias" in name:  # zero, but the LSTM's forget gate: 1.0 (--lstm-forget-bias's default)
+            assert np.all(np.asarray(leaf) == (1.0 if "['hf']" in name else 0.0)), name
     actor_head = next(leaf for name, leaf in leaves.items() if "actor_head" in name and "kernel" in name)
     critic_head = next(leaf for name, leaf in leaves.items() if "critic_head" in name and "kernel" in name)
     # orthogonal columns (A <= rows): kernel^T kernel = gain^2 I
@@ -162,20 +162,31 @@ def test_orthogonal_init_gains_and_zero_biases():
     np.testing.assert_allclose(critic_head.T @ critic_head, np.eye(1), atol=1e-5)
 
 
-def test_lstm_forget_bias_is_in_the_params_training_starts_from():
-    """--lstm-forget-bias 1: the initial TrainState (make_train's init) has 1 in every forget-gate
-    bias, of the actor's LSTM and the critic's; every other parameter is the one it has without
-    the flag."""
+@pytest.mark.parametrize("forget_bias, added", [(None, 1.0), (1.0, 1.0), (2.5, 2.5)])
+def test_lstm_forget_bias_is_in_the_params_training_starts_from(forget_bias, added):
+    """--lstm-forget-bias (1.0 by default): the initial TrainState (make_train's init) has it in
+    every forget-gate bias, of the actor's LSTM and the critic's; every other parameter is the one
+    it has with --lstm-forget-bias 0 (flax's init)."""
     env, env_params = envs.make_env(MEMORY_ENV_ID)
     flags = {**TINY, "env_id": MEMORY_ENV_ID, "separate_critic": True}
-    init, _ = ppo.make_train(ppo.Args(**flags, lstm_forget_bias=1.0), env, env_params)
-    init_without, _ = ppo.make_train(ppo.Args(**flags), env, env_params)
+    init, _ = ppo.make_train(ppo.Args(**flags, **({} if forget_bias is None else {"lstm_forget_bias": forget_bias})), env, env_params)
+    init_without, _ = ppo.make_train(ppo.Args(**flags, lstm_forget_bias=0.0), env, env_params)
     params = flax.traverse_util.flatten_dict(init(0).params)
     params_without = flax.traverse_util.flatten_dict(init_without(0).params)
     forget = [path for path in params if path[-2:] == ("hf", "bias")]
     assert len(forget) == 2 and {path[1] for path in forget} == {"actor_core", "critic_core"}
+    assert all(np.all(params_without[path] == 0.0) for path in forget)
     for path, value in params.items():
-        np.testing.assert_array_equal(value, params_without[path] + (1.0 if path in forget else 0.0))
+        np.testing.assert_array_equal(value, params_without[path] + (added if path in forget else 0.0))
+
+
+def test_a_network_without_an_lstm_trains_without_a_forget_bias_flag():
+    """The default forget bias needs no LSTM: --lstm-size 0 initialises as flax does, with no
+    forget gate to set."""
+    env, env_params = envs.make_env(MEMORY_ENV_ID)
+    init, _ = ppo.make_train(ppo.Args(**{**TINY, "lstm_size": 0}, env_id=MEMORY_ENV_ID), env, env_params)
+    params = flax.traverse_util.flatten_dict(init(0).params)
+    assert not [path for path in params if "hf" in path]
 
 @pytest.mark.parametrize("separate_critic", [False, True])
 def test_carry_is_zero_at_episode_start(separate_critic):

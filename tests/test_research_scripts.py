@@ -217,7 +217,10 @@ def test_evaluate_prints_the_mean_return_per_seed_and_writes_a_minatar_gif(tmp_p
     gif = tmp_path / "breakout.gif"
     result = run_script("scripts/evaluate.py", str(run_dir), "--episodes", "2", "--gif", str(gif))
     assert result.returncode == 0, result.stderr
-    assert re.search(r"^mean_return: \d+\.\d+ ± \d+\.\d+ +\(4 episodes, 2 seeds", result.stdout, re.MULTILINE)
+    # as the run's own evaluation plays (--eval-greedy, on by default), unless --sampled says otherwise
+    assert re.search(r"^mean_return: \d+\.\d+ ± \d+\.\d+ +\(4 episodes, 2 seeds, greedy actions", result.stdout, re.MULTILINE)
+    sampled = run_script("scripts/evaluate.py", str(run_dir), "--episodes", "2", "--sampled")
+    assert sampled.returncode == 0 and "2 seeds, sampled actions" in sampled.stdout, sampled.stderr
     assert re.search(r"seed 1: .*\n\s+seed 2: ", result.stdout)
     from PIL import Image
 

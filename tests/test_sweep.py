@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import pytest
 
-from helpers import read_wandb_offline_run, run_script, xla_flags
+from helpers import ROOT, read_wandb_offline_run, run_script, xla_flags
 from ppo_support import rundir
 
 # 3 cycles of 2 seeds.
@@ -54,38 +54,118 @@ def assert_close_rows(swept: list[dict], alone: list[dict]) -> None:
                 np.testing.assert_allclose(swept_row[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+# Two values of every sweepable key, set together by two axes (floats, switches), none of them a
+# script's default: a key whose point value does not reach the algorithm leaves its point apart from
+# the same flags alone. The second target-kl stops some cycles early (at each script's tiny KLs),
+# max-grad-norm 0.05 clips.
+FLOAT_AXIS = {"lr": ("1e-3", "3e-3"), "clip-eps": ("0.15", "0.3"), "ent-coef": ("0.02", "0.003"), "vf-coef": ("0.8", "0.3"),
+              "gamma": ("0.97", "0.9"), "gae-lambda": ("0.9", "0.8"), "max-grad-norm": ("0.3", "0.05"),
+              "adam-eps": ("1e-4", "1e-3")}
+TARGET_KL = {"ppo_mlp.py": ("0.2", "0.002"), "ppo_lstm_impala.py": ("0.2", "2e-5")}
+SWITCH_AXIS = {"norm-adv": ("false", "true"), "clip-vloss": ("false", "true"), "anneal-lr": ("false", "true"),
+               "anneal-clip-eps": ("true", "false")}  # the first value of each is not its default, the second is
+NORMALIZATION = {"ppo_mlp.py": ["--norm-obs", "--norm-reward"], "ppo_lstm_impala.py": ["--norm-reward"]}
+
+
+def axis(values: dict[str, tuple[str, str]]) -> str:
+    """KEY1,KEY2,...=A1:A2:...,B1:B2:...: one axis that sets every key together."""
+    return f"{','.join(values)}={','.join(':'.join(pair[i] for pair in values.values()) for i in range(2))}"
+
+
+def float_axis(script: str) -> dict[str, tuple[str, str]]:
+    return {**FLOAT_AXIS, "target-kl": TARGET_KL[script]}
+
+
+def flags_of(script: str, point: int) -> list[str]:
+    """The flags alone that point `point` of the grid (floats axis x switches axis) stands for."""
+    floats, switches = divmod(point, 2)
+    flags = [word for key, pair in float_axis(script).items() for word in (f"--{key}", pair[floats])]
+    return flags + [f"--{key}" if pair[switches] == "true" else f"--no-{key}" for key, pair in SWITCH_AXIS.items()]
+
+
 @pytest.mark.parametrize("script", sorted(TINY))
 def test_a_point_of_a_sweep_trains_as_its_flags_do_alone(tmp_path, script):
-    """Point 1 (lr 1e-3, norm-adv off) against --lr 1e-3 --no-norm-adv, point 2 (lr 3e-3,
-    norm-adv on) against --lr 3e-3: the same parameters and metrics up to float rounding (the
-    programs batch their runs differently), while the points differ from each other."""
+    """Every sweepable key, swept (two axes set all of them at once, with the reward and, for
+    ppo_mlp.py, observation normalisation on): point 1 (the floats' first values, the switches at
+    their defaults) and point 2 (the floats' second values, every switch flipped) train as the same
+    flags do alone: the same parameters, metrics and normalisation statistics up to float rounding
+    (the programs batch their runs differently), while the points differ from each other."""
+    from ppo_support import sweeps
+
+    module = importlib.import_module(Path(script).stem)
+    assert {*float_axis(script), *SWITCH_AXIS} == {sweeps.sweep_flag(name) for name in module.Args.sweepable}  # a new key too
     sweep_dir = tmp_path / "sweep"
-    result = run_script(script, *TINY[script], "--sweep", "lr=1e-3,3e-3", "norm-adv=true,false", "--run-dir", str(sweep_dir))
+    result = run_script(script, *TINY[script], *NORMALIZATION[script], "--sweep", axis(float_axis(script)), axis(SWITCH_AXIS),
+                        "--run-dir", str(sweep_dir))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "x 2 seeds x 4 points" in result.stdout
-    grid = [{"lr": 1e-3, "norm-adv": True}, {"lr": 1e-3, "norm-adv": False}, {"lr": 3e-3, "norm-adv": True},
-            {"lr": 3e-3, "norm-adv": False}]
+    # the console names each point by its values, as its rows' "sweep" tags do
+    done_line = result.stdout.strip().splitlines()[-1]
+    assert "return by point: lr=0.001,clip-eps=0.15," in result.stdout and "| lr=0.003,clip-eps=0.3," in done_line
+    assert done_line.startswith("done: ") and done_line.endswith(f"| run dir: {sweep_dir}")
     summary = json.loads((sweep_dir / "summary.json").read_text())
-    assert [point["sweep"] for point in summary["points"]] == grid
-    assert json.loads((sweep_dir / "args.json").read_text())["sweep"] == ["lr=1e-3,3e-3", "norm-adv=true,false"]
+    assert [point["sweep"]["lr"] for point in summary["points"]] == [1e-3, 1e-3, 3e-3, 3e-3]
+    assert [point["sweep"]["norm-adv"] for point in summary["points"]] == [False, True, False, True]
+    assert json.loads((sweep_dir / "args.json").read_text())["sweep"] == [axis(float_axis(script)), axis(SWITCH_AXIS)]
     assert sorted(path.name for path in sweep_dir.glob("checkpoint-*.npz"))
-    for index, point in enumerate(grid):
+    for index, point in enumerate(summary["points"]):
         point_dir = sweep_dir / f"point-{index}"
         saved = json.loads((point_dir / "args.json").read_text())
-        assert (saved["sweep"], saved["lr"], saved["norm_adv"]) == ([], point["lr"], point["norm-adv"])
-        assert all(row["sweep"] == point for row in rows(point_dir))
+        assert saved["sweep"] == [] and saved["max_grad_norm"] == point["sweep"]["max-grad-norm"]
+        assert all(row["sweep"] == point["sweep"] for row in rows(point_dir))
         assert json.loads((point_dir / "summary.json").read_text())["num_seeds"] == 2
+    epochs_run = [row["losses/epochs_run"] for index in (1, 2) for row in rows(sweep_dir / f"point-{index}")]
+    assert min(epochs_run) < max(epochs_run)  # the second target-kl stopped some cycles: its value matters
 
-    for index, flags in [(1, ["--lr", "1e-3", "--no-norm-adv"]), (2, ["--lr", "3e-3"])]:
+    for index in (1, 2):
         alone_dir = tmp_path / f"alone-{index}"
-        result = run_script(script, *TINY[script], *flags, "--run-dir", str(alone_dir))
+        result = run_script(script, *TINY[script], *NORMALIZATION[script], *flags_of(script, index), "--run-dir", str(alone_dir))
         assert result.returncode == 0, result.stderr[-3000:]
         assert_close_rows(rows(sweep_dir / f"point-{index}"), rows(alone_dir))
         for swept, alone in zip(params(script, sweep_dir / f"point-{index}"), params(script, alone_dir), strict=True):
             np.testing.assert_allclose(swept, alone, rtol=1e-5, atol=1e-6)
+        if "--norm-obs" in NORMALIZATION[script]:  # each point keeps its own statistics, as evaluate.py reads them
+            for swept, alone in zip(jax.tree.leaves(module.load_obs_stats(sweep_dir / f"point-{index}")),
+                                    jax.tree.leaves(module.load_obs_stats(alone_dir)), strict=True):
+                np.testing.assert_allclose(swept, alone, rtol=1e-5, atol=1e-6)
     # every point trained with its own values: no two points end with the same parameters
     ends = [np.concatenate([leaf.ravel() for leaf in params(script, sweep_dir / f"point-{index}")]) for index in range(4)]
     assert min(np.abs(a - b).max() for i, a in enumerate(ends) for b in ends[i + 1:]) > 1e-4
+
+
+def test_a_flag_added_to_a_copy_is_swept_once_it_joins_args_sweepable(tmp_path):
+    """A researcher's path: a new float flag in a copy of ppo_mlp.py, used in the loss. Swept, it
+    is refused in one line that names Args.sweepable; once added there (the copy alone is edited),
+    the points train with their values: point 0 (0.0) as the copy without the flag's term."""
+    text = (ROOT / "ppo_mlp.py").read_text()
+    edits = [("    vf_coef: float = 0.5", "    logit_l2_coef: float = 0.0  # a penalty on the logits' size\n    vf_coef: float = 0.5"),
+             ("+ args.vf_coef * value_loss\n", "+ args.vf_coef * value_loss + args.logit_l2_coef * (logits ** 2).mean()\n")]
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    copy = tmp_path / "my_ppo.py"
+    copy.write_text(text)
+    sweep = ["--sweep", "logit-l2-coef=0,0.5", "--run-dir", str(tmp_path / "sweep")]
+    result = run_script(copy, *TINY["ppo_mlp.py"], *sweep, cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: --sweep logit-l2-coef: --logit-l2-coef is not in the script's Args.sweepable, the flags one program can vary "
+        "(values only: no array shape and no Python `if` depends on them); add it there if that holds for it, or sweep it "
+        "with scripts/sweep.py, one process per value"]
+    assert not (tmp_path / "sweep").exists()
+
+    old = '"norm_adv", "clip_vloss", "anneal_lr", "anneal_clip_eps",\n'
+    assert text.count(old) == 1
+    copy.write_text(text.replace(old, old.rstrip("\n") + ' "logit_l2_coef",\n'))
+    result = run_script(copy, *TINY["ppo_mlp.py"], *sweep, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    saved = [json.loads((tmp_path / "sweep" / f"point-{index}" / "args.json").read_text()) for index in range(2)]
+    assert [point["logit_l2_coef"] for point in saved] == [0.0, 0.5]
+    alone = run_script(ROOT / "ppo_mlp.py", *TINY["ppo_mlp.py"], "--run-dir", str(tmp_path / "alone"), cwd=tmp_path)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert_close_rows(rows(tmp_path / "sweep" / "point-0"), rows(tmp_path / "alone"))
+    differs = rows(tmp_path / "sweep" / "point-1")[-1]["losses/policy_loss"] != rows(tmp_path / "alone")[-1]["losses/policy_loss"]
+    assert differs  # the flag's value reached the loss
 
 
 def call_main(script: str, argv: list[str]) -> int:
@@ -96,9 +176,9 @@ def call_main(script: str, argv: list[str]) -> int:
 
 
 @pytest.mark.parametrize("script, argv, message", [
-    ("ppo_mlp.py", ["--sweep", "num-parallel-envs=4,8"], "--num-parallel-envs changes array shapes"),
-    ("ppo_lstm_impala.py", ["--sweep", "lstm-size=16,32"], "--lstm-size changes array shapes"),
-    ("ppo_lstm_impala.py", ["--sweep", "torso=mlp,impala"], "--torso changes array shapes"),
+    ("ppo_mlp.py", ["--sweep", "num-parallel-envs=4,8"], "--num-parallel-envs is not in the script's Args.sweepable"),
+    ("ppo_lstm_impala.py", ["--sweep", "lstm-size=16,32"], "--lstm-size is not in the script's Args.sweepable"),
+    ("ppo_lstm_impala.py", ["--sweep", "torso=mlp,impala"], "--torso is not in the script's Args.sweepable"),
     ("ppo_mlp.py", ["--sweep", "hidden-sizes=64,128"], "scripts/sweep.py"),
     ("ppo_mlp.py", ["--sweep", "learning-rate=1e-3,3e-3"], "--sweep learning-rate: no such flag; sweepable: lr, clip-eps"),
     ("ppo_mlp.py", ["--sweep", "lr=1e-3,abc"], "--sweep lr: 'abc' is not a number"),
@@ -116,7 +196,7 @@ def call_main(script: str, argv: list[str]) -> int:
     ("ppo_mlp.py", ["--sweep", "lr"], "--sweep takes KEY=V1,V2,..., got 'lr'"),
     ("ppo_mlp.py", ["--sweep", "lr,ent-coef=1e-3:0.01,3e-3"], "--sweep lr,ent-coef: '3e-3' gives 1 values for 2 keys"),
     ("ppo_mlp.py", ["--sweep", "lr=1e-3,3e-3", "ent-coef,lr=0:1e-3"], "--sweep ent-coef,lr: given twice"),
-    ("ppo_mlp.py", ["--sweep", "lr,num-seeds=1e-3:1"], "--num-seeds changes array shapes"),
+    ("ppo_mlp.py", ["--sweep", "lr,num-seeds=1e-3:1"], "--num-seeds is not in the script's Args.sweepable"),
 ])
 def test_bad_sweeps_are_refused_with_one_line_and_nothing_written(tmp_path, capsys, script, argv, message):
     assert call_main(script, [*argv, "--run-dir", str(tmp_path / "never")]) == 2
