@@ -222,10 +222,11 @@ def record_calls(monkeypatch, module: Any, name: str, pick: Callable[[tuple, Any
     return records
 
 
-def record_second_cycle(monkeypatch, module: Any, args: Any) -> tuple[Any, dict, Any, Any]:
-    """Trains two cycles of one seed (module: ppo_mlp or ppo_lstm_impala) with collect_rollout
-    and update_cycle read out. Returns the second cycle's transitions, what its update_cycle
-    received (params, batch), the state it started from, and the network."""
+def record_two_cycles(monkeypatch, module: Any, args: Any) -> tuple[list, list[dict], Any, Any]:
+    """Trains two cycles of one seed (module: ppo_mlp or ppo_lstm_impala) from fresh envs with
+    collect_rollout and update_cycle read out. Returns both cycles' transitions, what each
+    update_cycle received (params, batch), the state the second cycle started from, and the
+    network."""
     import jax
 
     from ppo_support import envs
@@ -237,7 +238,15 @@ def record_second_cycle(monkeypatch, module: Any, args: Any) -> tuple[Any, dict,
     init, _ = module.make_train(args, env, env_params)
     cycle = jax.jit(lambda state: module.train_cycle(state, network, optimizer, env, env_params, args)[0])
     state = cycle(init(args.seed))
-    cycle(state)
+    jax.block_until_ready(cycle(state))
+    jax.effects_barrier()
+    return rollouts, updates, state, network
+
+
+def record_second_cycle(monkeypatch, module: Any, args: Any) -> tuple[Any, dict, Any, Any]:
+    """record_two_cycles' second cycle: its transitions, what its update_cycle received (params,
+    batch), the state it started from, and the network."""
+    rollouts, updates, state, network = record_two_cycles(monkeypatch, module, args)
     return rollouts[1], updates[1], state, network
 
 

@@ -18,6 +18,9 @@ this folder on the Python path). Every probe comes in a vector form (obs shape (
 - MatchTheObservation: one-step episodes, obs is +1 or -1 at random; action 0 pays 1 on +1,
   action 1 pays 1 on -1, anything else 0. A policy that ignores the observation gets 0.5; a
   feed-forward network that reads it gets 1.
+- RandomEnds: three actions, a reward drawn uniformly from [-1, 1) at every step, terminated with
+  probability 1/4 at every step and truncated after 4 steps: episodes of random lengths that end
+  either way (for the inputs that must be reset at every episode start, --prev-action-reward's).
 - Memory: a cue (one of NUM_CUES channels) is shown once, then DELAY blank frames, then a query
   frame; naming the cue at the query pays 1, anything else 0. Only a policy with memory beats
   chance (1 / NUM_CUES).
@@ -136,6 +139,23 @@ class Clock(_Probe):
     def step_env(self, key, state, action, params):
         obs, new_state, reward, _, info = super().step_env(key, state, action, params)
         return obs, new_state, reward, (action == 1) & (new_state.time >= 3), info
+
+
+class RandomEnds(_Probe):
+    """obs = time / 4; a random reward; terminated with probability 1/4, truncated after 4 steps."""
+
+    num_actions_ = 3
+    max_steps = 4
+    TERMINATION_PROB = 0.25
+
+    def obs(self, state):
+        return jnp.full(self.obs_shape, state.time / self.max_steps, jnp.float32)
+
+    def step_env(self, key, state, action, params):
+        reward_key, end_key = jax.random.split(key)
+        new_state = ProbeState(time=state.time + 1, value=state.value)
+        reward = jax.random.uniform(reward_key, (), jnp.float32, -1.0, 1.0)
+        return self.obs(new_state), new_state, reward, jax.random.bernoulli(end_key, self.TERMINATION_PROB), {}
 
 
 class Memory(_Probe):

@@ -71,3 +71,19 @@ def ppo_loss_reference(new_logp, entropy, new_value, old_logp, old_value, advant
         "losses/actor_approxkl1": kl1 / n,
         "losses/actor_approxkl3": kl3 / n,
     }
+
+
+def prev_action_reward_reference(action, reward, terminated, truncated, num_actions):
+    """--prev-action-reward's input with obs[t] for (T, N) arrays of steps that start from fresh
+    episodes at t = 0, one env and one step at a time: zeros where obs[t] starts an episode (t = 0,
+    or step t - 1 terminated or was truncated), else step t - 1's action one-hot and its reward."""
+    action, reward = np.asarray(action), np.asarray(reward, np.float64)
+    terminated, truncated = np.asarray(terminated, bool), np.asarray(truncated, bool)
+    num_steps, num_envs = action.shape
+    inputs = np.zeros((num_steps, num_envs, num_actions + 1))
+    for n in range(num_envs):
+        for t in range(1, num_steps):
+            if not (terminated[t - 1, n] or truncated[t - 1, n]):
+                inputs[t, n, int(action[t - 1, n])] = 1.0
+                inputs[t, n, num_actions] = reward[t - 1, n]
+    return inputs

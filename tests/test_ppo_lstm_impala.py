@@ -17,11 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import record_second_cycle, run_script
-from reference import gae_reference, ppo_loss_reference
+from helpers import record_calls, record_second_cycle, record_two_cycles, run_script
+from reference import gae_reference, ppo_loss_reference, prev_action_reward_reference
 
 import ppo_lstm_impala as ppo
-from ppo_support import cpu, envs
+from ppo_support import cpu, envs, evaluation
 
 SCRIPT = Path(ppo.__file__)
 TINY = dict(impala_channels=(4,), torso_size=32, lstm_size=32)
@@ -230,6 +230,89 @@ def test_prev_action_reward_is_the_last_steps_and_zero_where_an_episode_starts()
     final = np.asarray(ppo.final_prev_action_reward(transitions)).reshape(20, 4, 3)
     np.testing.assert_array_equal(final[..., 2], reward)
     np.testing.assert_array_equal(final[..., 1], action == 1)
+
+
+# RandomEnds: episodes that terminate at random or are truncated after 4 steps; the MLP torso.
+ENDS_BOTH_WAYS = dict(env_id="probe_envs:RandomEnds", hidden_sizes=(8,), lstm_size=8, num_parallel_envs=8,
+                      num_env_steps_per_cycle=8, num_total_env_steps=128, num_minibatches_per_epoch=2,
+                      num_epochs_per_cycle=1, prev_action_reward=True)
+
+
+def assert_episodes_end_both_ways(terminated, truncated) -> None:
+    """Before the last step, some episodes end by a truncation alone and some by a termination alone."""
+    terminated, truncated = np.asarray(terminated)[:-1], np.asarray(truncated)[:-1]
+    assert (truncated & ~terminated).sum() >= 2 and (terminated & ~truncated).sum() >= 2
+
+
+def one_hot_and_reward(action, reward, num_actions: int) -> np.ndarray:
+    return np.concatenate([np.eye(num_actions)[np.asarray(action)], np.asarray(reward, np.float64)[..., None]], axis=-1)
+
+
+@pytest.mark.parametrize("lstm_training", ["bptt", "stored"])
+def test_prev_action_reward_is_reset_where_episodes_terminate_or_are_truncated(monkeypatch, lstm_training):
+    """--prev-action-reward on RandomEnds, two cycles from fresh envs: the input the rollout gave
+    the LSTM with each observation equals a Python loop over the steps taken (zeros at every
+    episode start, whether the episode before it terminated or was truncated). The second cycle's
+    update replays the rollout with those inputs: its batch holds them, and its values, log-probs
+    and value targets equal a step-by-step rerun from the cycle's first carry with the loop's
+    inputs, where V(final_obs[t]) gets step t's own action and reward (a truncated episode's final
+    observation continues it), in both replays (bptt: whole sequences; stored: single steps)."""
+    args = ppo.Args(**ENDS_BOTH_WAYS, lstm_training=lstm_training, gamma=0.9, gae_lambda=0.8)
+    rollouts, updates, state, network = record_two_cycles(monkeypatch, ppo, args)
+    steps = jax.tree.map(lambda *cycles: np.concatenate(cycles), *rollouts)  # (2T, N, ...) from fresh envs
+    num_actions = steps.prev_action_reward.shape[-1] - 1
+    expected = prev_action_reward_reference(steps.action, steps.reward, steps.terminated, steps.truncated, num_actions)
+    num_steps, num_envs = args.num_env_steps_per_cycle, args.num_parallel_envs
+    for cycle in range(2):
+        assert_episodes_end_both_ways(*(x[cycle * num_steps : (cycle + 1) * num_steps] for x in (steps.terminated, steps.truncated)))
+    np.testing.assert_array_equal(steps.prev_action_reward, expected)
+
+    second, expected = rollouts[1], expected[num_steps:]
+    batch, params = updates[1]["batch"], updates[1]["params"]
+    np.testing.assert_array_equal(batch.prev_action_reward.reshape(num_steps, num_envs, -1), expected)
+    done = np.logical_or(steps.terminated, steps.truncated)
+    episode_start = done[num_steps - 1 : -1]  # obs[t] of the second cycle starts an episode where step t - 1 ended one
+    apply = jax.jit(network.apply)
+    value, logp, next_value = (np.zeros((num_steps, num_envs)) for _ in range(3))
+    carry = jnp.asarray(state.env.lstm_carry)  # after the first cycle's last step, before any reset
+    for t in range(num_steps):
+        carries, logits, step_value = apply(params, carry, second.obs[t][None], episode_start[t][None],
+                                            jnp.asarray(expected[t][None], jnp.float32))
+        carry = carries[0]
+        final_input = one_hot_and_reward(second.action[t], second.reward[t], num_actions)  # never reset
+        _, _, final_value = apply(params, carry, second.final_obs[t][None], np.zeros((1, num_envs), bool),
+                                  jnp.asarray(final_input[None], jnp.float32))
+        value[t], next_value[t] = step_value[0], final_value[0]
+        logp[t] = np.take_along_axis(np.asarray(jax.nn.log_softmax(logits[0])), second.action[t][:, None], axis=-1)[:, 0]
+    _, target = gae_reference(second.reward, value, next_value, second.terminated, second.truncated, args.gamma, args.gae_lambda)
+    np.testing.assert_allclose(batch.value.reshape(num_steps, num_envs), value, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(batch.logp.reshape(num_steps, num_envs), logp, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(batch.target.reshape(num_steps, num_envs), target, rtol=1e-5, atol=1e-5)
+
+
+def test_eval_step_resets_prev_action_reward_where_episodes_terminate_or_are_truncated(monkeypatch):
+    """--prev-action-reward in evaluation, on RandomEnds: at each step of eval_step, the input the
+    policy gets with the observation equals a Python loop over the steps the envs took (zeros at
+    every episode start, whether the episode before it terminated or was truncated)."""
+    args = ppo.Args(**ENDS_BOTH_WAYS, eval_greedy=False)
+    env, env_params = envs.make_env(args.env_id)
+    num_actions = env.action_space(env_params).n
+    network = ppo.make_network(args, num_actions)
+    params = ppo.init_params(network, jax.random.key(0), args, ppo.stacked_obs_shape(env, env_params, 1))
+    taken = record_calls(monkeypatch, envs, "step_envs", lambda a, out: dict(
+        action=a[3], reward=out[2], terminated=out[3], truncated=out[4]))
+    policy = ppo.make_evaluation(network, env, env_params, args)
+    step = jax.jit(lambda params, carry: ppo.eval_step(params, carry, network, env, env_params, args))
+    carry = evaluation.start_evaluation(jax.random.key(1), policy, 8)
+    inputs = []
+    for _ in range(16):
+        inputs.append(np.asarray(carry.env.prev_action_reward))  # what the policy gets with this step's observation
+        carry = step(params, carry)
+    jax.effects_barrier()
+    steps = {name: np.stack([record[name] for record in taken]) for name in taken[0]}  # (16, 8) each
+    assert_episodes_end_both_ways(steps["terminated"], steps["truncated"])
+    expected = prev_action_reward_reference(steps["action"], steps["reward"], steps["terminated"], steps["truncated"], num_actions)
+    np.testing.assert_array_equal(np.stack(inputs), expected)
 
 
 def test_prev_action_reward_lets_the_lstm_find_the_hidden_arm(tmp_path):

@@ -121,6 +121,43 @@ def test_target_kl_leaves_the_parameters_of_the_last_update_it_applied(monkeypat
     assert same_tree(jax.tree.map(lambda x: x[0], states.params), calls[-1]["params_after"])
 
 
+SIX_CYCLES = {"ppo_mlp": dict(num_total_env_steps=6 * 128), "ppo_lstm_impala": dict(num_total_env_steps=6 * 64, num_minibatches_per_epoch=8)}
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_target_kl_applies_a_cycles_minibatches_up_to_the_first_over_the_target_and_none_after(monkeypatch, script):
+    # The rule (docs/flags.md, SB3's per minibatch): a minibatch is applied unless its approxkl3,
+    # measured before its step on its own minibatch, exceeds the target, or one before it in the
+    # cycle did; the stop lasts to the end of the cycle, across epochs. Each cycle's applied
+    # minibatches, in order, against a Python loop of that rule over the approxkl3 recomputed from
+    # each call's parameters and minibatch; the parameters move at exactly the applied steps, and
+    # losses/epochs_run counts them. At 0.003, over 6 cycles (the LSTM's in minibatches of one
+    # sequence), some cycle stops in its first epoch and leaves later minibatches whose approxkl3
+    # at the stopped parameters is under the target: a stop that ended with its epoch would apply them.
+    module, args, calls, metrics, _ = record_updates(monkeypatch, script, 0.003, **SIX_CYCLES[script])
+    per_cycle = args.num_epochs_per_cycle * args.num_minibatches_per_epoch
+    stopped_in_first_epoch_before_one_under_the_target = 0
+    for cycle in range(args.num_cycles):
+        cycle_calls = calls[cycle * per_cycle : (cycle + 1) * per_cycle]
+        approxkl3 = [loss_metrics_and_grads(module, args, call)[0]["losses/actor_approxkl3"] for call in cycle_calls]
+        expected, stopped = [], False
+        for index, (call, kl) in enumerate(zip(cycle_calls, approxkl3)):
+            if abs(kl - args.target_kl) > 1e-4 * args.target_kl:  # (a float-rounding tie: the program's decision)
+                stopped = stopped or kl > args.target_kl
+            else:
+                stopped = stopped or not call["applied"]
+            expected.append(not stopped)
+        assert [call["applied"] for call in cycle_calls] == expected, (cycle, approxkl3)
+        for step, call in enumerate(cycle_calls, start=cycle * per_cycle):
+            if step < args.num_gradient_steps - 1:  # the run's last step has a learning rate of 0
+                assert same_tree(call["params_after"], call["params"]) == (not call["applied"]), step
+        assert metrics["losses/epochs_run"][cycle, 0] == pytest.approx(sum(expected) / args.num_minibatches_per_epoch)
+        first_skipped = expected.index(False) if False in expected else per_cycle
+        stopped_in_first_epoch_before_one_under_the_target += first_skipped < args.num_minibatches_per_epoch and any(
+            kl <= args.target_kl for kl in approxkl3[args.num_minibatches_per_epoch :])
+    assert stopped_in_first_epoch_before_one_under_the_target > 0
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_minibatch_metrics_are_the_mean_over_the_updates_applied(monkeypatch, script):
     # Each cycle's losses/* are the mean over the minibatches it applied (recomputed here from
