@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import run_script, xla_flags
+from helpers import exclusive, run_script, shared_folder, xla_flags
 
 import ppo_lstm_impala
 import ppo_mlp
@@ -137,23 +137,80 @@ def test_lstm_envs_that_do_not_split_into_whole_sequences_per_device_are_refused
 # tests/two_devices.py. The ppo_lstm_impala.py configs are its three networks, and its MLP torso.
 UPDATE_CASES = [("ppo_mlp", "cartpole"), ("ppo_lstm_impala", "bptt"), ("ppo_lstm_impala", "stored"), ("ppo_lstm_impala", "feed-forward"),
                 ("ppo_lstm_impala", "mlp-torso")]
+# The cases whose process also runs a whole cycle on both (two_devices.py update --cycle): their
+# statistics, and the metrics for which device 0's share alone and the mean of the two shares'
+# values both differ from the whole batch's. CartPole's shares end one episode each (the mean of
+# their means is the whole's); under --norm-reward the Clock probe's first scaled rewards dwarf
+# every value, and explained variance is about 0 on any share.
+EV, RETURN, LENGTH = "losses/explained_variance", "charts/episodic_return", "charts/episodic_length"
+CYCLE_CASES = {("ppo_mlp", "cartpole"): ("obs_stats", {EV}), ("ppo_lstm_impala", "bptt"): (None, {EV, RETURN, LENGTH}),
+               ("ppo_lstm_impala", "feed-forward"): ("reward_stats", {RETURN, LENGTH})}
+
+
+def two_devices_update(tmp_path_factory, script: str, config: str):
+    """tests/two_devices.py update's results for a case, computed once per test session: the
+    update and the cycle tests read the same process's results."""
+    folder = shared_folder(tmp_path_factory)
+    out = folder / f"two-devices-update-{script}-{config}.npz"
+    with exclusive(folder / f"{out.name}.lock"):
+        if not out.exists():
+            cycle = ["--cycle"] if (script, config) in CYCLE_CASES else []
+            result = run_script("tests/two_devices.py", "update", script, config, str(out.with_suffix(".part.npz")), *cycle,
+                                timeout=600, env=TWO_CPU_DEVICES)
+            assert result.returncode == 0, result.stderr[-3000:]
+            out.with_suffix(".part.npz").rename(out)
+    return np.load(out)
 
 
 @pytest.mark.parametrize("script, config", UPDATE_CASES)
-def test_two_devices_update_as_one_device_does_on_the_same_global_batch(tmp_path, script, config):
+def test_two_devices_update_as_one_device_does_on_the_same_global_batch(tmp_path_factory, script, config):
     """A real rollout's batch, updated with one minibatch per epoch and 2 epochs, on one device
     and split in halves across two: the same parameters, losses/grad_norm and every other update
     metric, up to float rounding. A gradient summed over devices instead of averaged doubles
     grad_norm; advantages normalised per device change the gradient."""
-    out = tmp_path / "update.npz"
-    result = run_script("tests/two_devices.py", "update", script, config, str(out), timeout=600, env=TWO_CPU_DEVICES)
-    assert result.returncode == 0, result.stderr[-3000:]
-    results = np.load(out)
+    results = two_devices_update(tmp_path_factory, script, config)
     names = [name.removeprefix("one/") for name in results.files if name.startswith("one/")]
     assert "losses/grad_norm" in names and sum(name.startswith("param") for name in names) >= 6
     assert np.abs(results["before/grad_step"]).max() > 1e-3  # the update moved the parameters
     for name in names:
         np.testing.assert_allclose(results[f"two/{name}"], results[f"one/{name}"], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("script, config", list(CYCLE_CASES))
+def test_two_devices_log_every_metric_of_a_cycle_as_one_device_does_on_the_same_global_rollout(tmp_path_factory, script, config):
+    """One whole cycle of the script's train path (make_train) on one device, and on two with
+    each device handed its half of that cycle's rollout (collect_rollout replaced): every metric
+    the run logs (its run_metric_names, all of them, so a new metric is compared as it is added:
+    the episodes' return and length, the charts, the losses, explained variance) and the new
+    state (parameters, optimizer state, env carry and, with --norm-obs (ppo_mlp.py) or
+    --norm-reward (ppo_lstm_impala.py feed-forward), the statistics) are the same up to float
+    rounding. The two devices' own rollouts draw different random numbers, so only a shared
+    rollout shows this. The cases are chosen so that device 0's share alone gives other episode
+    means than the whole batch, and it and the mean of the two shares' values another explained
+    variance (ppo_mlp.py, bptt) and episode means (the LSTM cases), so that a metric computed on
+    one device's share, or each device's averaged, fails here."""
+    results = two_devices_update(tmp_path_factory, script, config)
+    one = {name.removeprefix("cycle_one/"): results[name] for name in results.files if name.startswith("cycle_one/")}
+    metrics = {name for name in one if not name.startswith("state")}
+    assert metrics == set(results["run_metric_names"])
+    states = [name for name in one if name.startswith("state")]
+    assert sum(".params[" in name for name in states) >= 6 and any(".opt_state" in name for name in states)
+    statistics, told_apart = CYCLE_CASES[script, config]
+    assert statistics is None or any(f".{statistics}." in name for name in states)
+    for name in one:
+        np.testing.assert_allclose(results[f"cycle_two/{name}"], one[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+    def differs(a, b):  # by 10 times the float rounding allowed above, or more
+        return abs(float(a) - float(b)) > 10 * (1e-6 + 1e-5 * abs(float(b)))
+
+    for name in [RETURN, LENGTH, EV]:
+        whole, share0, share1 = one[name].item(), results[f"share0/{name}"], results[f"share1/{name}"]
+        assert np.isfinite([whole, share0, share1]).all(), name  # both shares finished episodes
+        if name != EV or name in told_apart:
+            assert differs(share0, whole), (name, share0, whole)
+        if name in told_apart:
+            assert differs((share0 + share1) / 2, whole), (name, share0, share1, whole)
+    assert np.abs(results["before/grad_step"]).max() > 1e-3  # the cycle's update moved the parameters
 
 
 @pytest.mark.parametrize("script, config", [("ppo_mlp", "clock"), ("ppo_lstm_impala", "feed-forward"),
