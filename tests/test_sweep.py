@@ -219,13 +219,14 @@ def test_the_grid_is_the_product_of_its_axes_and_an_axis_may_set_several_keys_to
 
 
 NAN_SWEEP = [*TINY["ppo_mlp.py"][:4], "--num-total-env-steps", str(128 * 8), "--checkpoint-every-cycles", "2",
-             "--sweep", "lr=1e-3,1e38"]  # lr 1e38 overflows the parameters in the first cycle
+             "--norm-obs", "--norm-reward", "--sweep", "lr=1e-3,1e38"]  # lr 1e38 overflows the parameters in the first cycle
 
 
 def test_a_failed_point_is_frozen_the_others_go_on_and_a_resumed_sweep_is_bit_identical(tmp_path):
     """lr 1e38: that point's update is not finite in cycle 1, so it keeps its initial parameters;
     the other point trains on, checkpoints go on, and the exit code is 0. A copy resumed from its
-    older checkpoint ends bit for bit as the uninterrupted sweep."""
+    older checkpoint ends bit for bit as the uninterrupted sweep, point by point, the observation
+    and reward statistics included (--norm-obs --norm-reward)."""
     whole = tmp_path / "whole"
     result = run_script("ppo_mlp.py", *NAN_SWEEP, "--run-dir", str(whole))
     assert result.returncode == 0, result.stderr[-3000:]
@@ -243,13 +244,14 @@ def test_a_failed_point_is_frozen_the_others_go_on_and_a_resumed_sweep_is_bit_id
     resumed = tmp_path / "resumed"
     shutil.copytree(whole, resumed)
     (resumed / "checkpoint-8.npz").unlink()
-    for path in [resumed / "summary.json", *resumed.glob("point-*/summary.json"), *resumed.glob("point-*/params.msgpack")]:
+    for path in [resumed / "summary.json", *resumed.glob("point-*/summary.json"), *resumed.glob("point-*/*.msgpack")]:
         path.unlink()
     result = run_script("ppo_mlp.py", "--resume", str(resumed))
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resuming {resumed} from cycle 6" in result.stdout
     for index in range(2):
-        assert (resumed / f"point-{index}" / "params.msgpack").read_bytes() == (whole / f"point-{index}" / "params.msgpack").read_bytes()
+        for name in ["params.msgpack", "obs_stats.msgpack"]:
+            assert (resumed / f"point-{index}" / name).read_bytes() == (whole / f"point-{index}" / name).read_bytes(), name
         assert rows(resumed / f"point-{index}") == rows(whole / f"point-{index}")
     assert (resumed / "checkpoint-8.npz").read_bytes() == (whole / "checkpoint-8.npz").read_bytes()
 
