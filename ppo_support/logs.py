@@ -18,7 +18,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from . import contract, envs, evaluation, rundir
+from . import contract, envs, evaluation, provenance, rundir
 from .errors import ConfigError, WriteError
 
 class HostQueue:
@@ -262,13 +262,13 @@ def check_wandb_can_log(args: Any) -> None:
 def start_wandb_runs(args: Any, run_dir: Path, name: str | None = None, more_config: dict[str, Any] | None = None) -> list[Any]:
     """The wandb runs, seed 0's first: one per seed with --wandb-run-per-seed (named run_name,
     its seed in the config), else one named after the run dir. Each config holds every arg,
-    the script (rundir.script_info) and its git commit, and its code is the script's copy in
+    the script (provenance.script_info) and its git commit, and its code is the script's copy in
     RUN_DIR/code; the group defaults to rundir.experiment_name. Each run's id is kept in
     RUN_DIR (wandb_id.txt, or wandb_id_seed_<seed>.txt), so that --resume continues it. name and
     more_config: a --sweep point's run name (in place of the run dir's) and its swept values."""
     import wandb
 
-    config = {**dataclasses.asdict(args), **rundir.script_info(args), **rundir.git_info(rundir.script_path(args)),
+    config = {**dataclasses.asdict(args), **provenance.script_info(args), **provenance.git_info(provenance.script_path(args)),
               **(more_config or {})}
     seeds = [args.seed + i for i in range(args.num_seeds)] if args.wandb_run_per_seed else [None]
     wandb_runs = []
@@ -294,7 +294,7 @@ def start_wandb_runs(args: Any, run_dir: Path, name: str | None = None, more_con
         )
         id_file.write_text(wandb_run.id)
         if (run_dir / rundir.CODE_DIR).is_dir():  # the script as the run ran it (rundir.write_args), as the run's code
-            wandb_run.log_code(root=str(run_dir / rundir.CODE_DIR), name=f"source-{rundir.script_path(args).stem}")
+            wandb_run.log_code(root=str(run_dir / rundir.CODE_DIR), name=f"source-{provenance.script_path(args).stem}")
         wandb_runs.append(wandb_run)
     return wandb_runs
 

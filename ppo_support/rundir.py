@@ -7,14 +7,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import functools
-import glob
 import hashlib
 import json
 import math
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -24,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import __version__
+from . import provenance
 from .errors import ConfigError, WriteError, flag
 
 # Args that may differ when a run is resumed: they change what is logged, not what is trained.
@@ -47,48 +44,6 @@ class DamagedFile(ValueError):
 # --- args.json --------------------------------------------------------------------------------
 
 
-def script_path(args: Any) -> Path:
-    """The file of the script whose Args `args` is (an instance or the class itself)."""
-    args_class = args if isinstance(args, type) else type(args)
-    return Path(sys.modules[args_class.__module__].__file__).resolve()
-
-
-def script_info(args: Any) -> dict[str, Any]:
-    """Which code wrote a run: the script (args.json records it, so that the tools in scripts/
-    load this file, or a renamed copy of it, to read the run) and the SHA-256 of the file as this
-    process read it (script_source; its copy is RUN_DIR/code/<script>), and this package's
-    version, the git commit of its checkout ("-dirty" when its tracked files differ; None outside
-    one) and the hash of its files (package_sha256), which holds outside git too."""
-    path = script_path(args)
-    package_git = git_info(Path(__file__).resolve().parent)
-    commit = package_git.get("git_commit")
-    if commit and package_git.get("git_dirty"):
-        commit += "-dirty"
-    return {"script": path.name, "script_path": str(path), "script_sha256": sha256(script_source(path)),
-            "ppo_support_version": __version__, "ppo_support_commit": commit, "ppo_support_sha256": package_sha256()}
-
-
-@functools.cache
-def script_source(path: Path) -> bytes:
-    """The script file's bytes, read once per process: a session reads them before it compiles,
-    so an edit made while the run compiles or trains is not what the run dir records."""
-    return Path(path).read_bytes()
-
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-@functools.cache
-def package_sha256() -> str:
-    """SHA-256 over this package's .py files, sorted by name: each file's name, a NUL byte, its
-    bytes and a NUL byte."""
-    digest = hashlib.sha256()
-    for path in sorted(Path(__file__).resolve().parent.glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
-
-
 def saved_script(run_dir: Path, run_info: dict[str, Any]) -> Path:
     """Where a run dir keeps the copy of its script (CODE_DIR)."""
     return Path(run_dir) / CODE_DIR / str(run_info.get("script"))
@@ -102,37 +57,20 @@ def script_change(run_dir: Path, args_class: type) -> str | None:
         run_info = read_json_object(Path(run_dir) / "args.json")
     except DamagedFile:
         return None
-    path = script_path(args_class)
-    if "script_sha256" not in run_info or run_info["script_sha256"] == sha256(script_source(path)):
+    path = provenance.script_path(args_class)
+    if "script_sha256" not in run_info or run_info["script_sha256"] == provenance.sha256(provenance.script_source(path)):
         return None
     return (f"{path} has changed since the run: it no longer matches the copy the run saved, "
             f"{saved_script(run_dir, run_info)}")
 
 
-def git_info(path: Path) -> dict[str, Any]:
-    """The commit of the git checkout that holds `path` (a file or a folder), and whether its
-    tracked files differ from it; empty outside a checkout, or without git."""
-    folder = path if path.is_dir() else path.parent
-
-    def git(*words: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["git", *words], cwd=folder, capture_output=True, text=True, timeout=10)
-
-    try:
-        commit, status = git("rev-parse", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
-    except (OSError, subprocess.SubprocessError):  # no git, or it hangs
-        return {}
-    if commit.returncode != 0 or status.returncode != 0:
-        return {}
-    return {"git_commit": commit.stdout.strip(), "git_dirty": bool(status.stdout.strip())}
-
-
 def write_args(run_dir: Path, args: Any) -> None:
     """args.json, and the script as this process ran it in RUN_DIR/code/ (CODE_DIR)."""
-    run_info = script_info(args)
+    run_info = provenance.script_info(args)
     (run_dir / "args.json").write_text(json.dumps({**run_info, **dataclasses.asdict(args)}, indent=2) + "\n")
     copy = saved_script(run_dir, run_info)
     copy.parent.mkdir(exist_ok=True)
-    copy.write_bytes(script_source(script_path(args)))
+    copy.write_bytes(provenance.script_source(provenance.script_path(args)))
 
 
 def read_json_object(path: Path) -> dict[str, Any]:
@@ -156,45 +94,15 @@ def args_from_json(path: Path, args_class: type) -> Any:
     unknown = sorted(set(data) - set(fields) - set(RUN_INFO_KEYS))
     if unknown:
         raise ConfigError(
-            f"{path} was written by {data.get('script', 'another script')}, not {script_path(args_class).name} "
+            f"{path} was written by {data.get('script', 'another script')}, not {provenance.script_path(args_class).name} "
             f"(it has {', '.join(unknown)})"
         )
     values = {name: value for name, value in data.items() if name in fields}
     for name, value in values.items():  # JSON has no tuples
         if isinstance(fields[name].default, tuple) and isinstance(value, list):
             values[name] = tuple(value)
-    check_env_module_outside_run_dirs(str(values.get("env_id", "")), path)
+    provenance.check_env_module_outside_run_dirs(str(values.get("env_id", "")), path)
     return args_class(**values)
-
-
-def check_env_module_outside_run_dirs(env_id: str, args_path: Path) -> None:
-    """A custom env id (`module.path:Name`) read from a run's args.json is imported only if its
-    module lies outside every run dir: a module file, or a package folder on its way, inside a
-    folder that holds an args.json is refused in one line, before anything is imported. The tools
-    never run code that a run dir carries."""
-    module_name = env_id.partition(":")[0] if ":" in env_id else ""
-    for found in module_locations(module_name) if module_name else []:
-        folder = found if found.is_dir() else found.parent
-        for inside in [folder, *folder.parents]:
-            if (inside / "args.json").is_file():
-                raise ConfigError(
-                    f"{args_path}: --env-id {env_id} names the module {found}, which lies inside the run dir "
-                    f"{inside}; the tools do not import a run dir's code: install the env's module, or put its folder "
-                    "on PYTHONPATH outside every run dir"
-                )
-
-
-def module_locations(module_name: str) -> list[Path]:
-    """Every file or folder that Python's path search could take for `module_name` or for one of
-    its parent packages, in every sys.path entry: found without importing anything."""
-    parts = module_name.split(".")
-    found = []
-    for entry in sys.path:
-        top = Path(entry or ".").resolve()
-        for depth in range(len(parts), 0, -1):  # the module itself first, then its packages
-            stem = top.joinpath(*parts[:depth])
-            found += [path for path in [stem, *stem.parent.glob(f"{glob.escape(parts[depth - 1])}.*")] if path.exists()]
-    return found
 
 
 def experiment_name(args: Any) -> str:

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import compilation, contract, cpu, devices, evaluation, logs, nan_guard, rundir, segments, sweeps, videos
+from . import compilation, contract, cpu, devices, evaluation, logs, nan_guard, provenance, rundir, segments, sweeps, videos
 from .errors import ConfigError, Interrupted
 
 
@@ -31,7 +31,7 @@ class Session:
 
     def __init__(self, args: Any, metric_names: tuple[str, ...]):
         contract.check_metric_names(metric_names, args)  # before anything is written
-        rundir.script_source(rundir.script_path(args))  # the script as this run reads it, kept for the run dir
+        provenance.script_source(provenance.script_path(args))  # the script as this run reads it, kept for the run dir
         self.args = args
         self.start_time = time.perf_counter()
         self.writes = jax.process_index() == 0  # --distributed: process 0 writes, prints and logs; the others only train
@@ -287,7 +287,7 @@ class Session:
         if self.grid is not None or not np.any(np.asarray(states.non_finite) > 0):
             self.checkpointer(cycle, jax.tree.map(rundir.key_data_or_array, states))
         signal_name = segments.signal_name(self.stop_signal)
-        command = f"python {rundir.script_path(self.args).name} --resume {self.path}"
+        command = f"python {provenance.script_path(self.args).name} --resume {self.path}"
         if self.writes:
             rundir.mark_interrupted(self.path, cycle, signal_name, command)
             for wandb_runs in self.wandb_runs:

@@ -96,7 +96,8 @@ def unfinished_copy_without_checkpoints(run_dir: Path, to: Path) -> Path:
 
 
 def file_hashes(run_dir: Path) -> dict[str, str]:
-    return {path.name: hashlib.sha256(path.read_bytes()).hexdigest() for path in sorted(run_dir.iterdir())}
+    return {str(path.relative_to(run_dir)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(run_dir.rglob("*")) if path.is_file()}  # the files of code/ too
 
 
 @pytest.mark.parametrize("script", sorted(SMALL))

@@ -41,6 +41,9 @@ def tiny_args(tmp_path: Path, name: str = "run", **overrides) -> ppo.Args:
         run_dir=str(tmp_path / name),
     )
     fields.update(overrides)
+    env, env_params = envs.make_env(fields.get("env_id", ppo.Args.env_id))
+    if len(env.observation_space(env_params).shape) != 3:  # the MLP torso, which the IMPALA sizes are not flags of
+        fields = {name: value for name, value in fields.items() if name not in ("impala_channels", "torso_size")}
     return ppo.Args(**fields)
 
 

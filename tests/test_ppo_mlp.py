@@ -20,7 +20,7 @@ import ppo_mlp
 import ppo_support
 from helpers import ROOT, read_wandb_offline_run, record_second_cycle, run_script
 from reference import gae_reference, ppo_loss_reference
-from ppo_support import devices, envs, rundir
+from ppo_support import devices, envs, provenance
 
 SCRIPT = Path(ppo_mlp.__file__)
 
@@ -357,7 +357,7 @@ def test_run_dir_holds_args_metrics_summary_and_loadable_params(tmp_path):
     # beside the script that wrote it: the version of ppo_support and the commit of its checkout
     assert (args["script"], args["script_path"]) == ("ppo_mlp.py", str(SCRIPT.resolve()))
     assert args["ppo_support_version"] == ppo_support.__version__
-    assert args["ppo_support_commit"].removesuffix("-dirty") == rundir.git_info(ROOT)["git_commit"]
+    assert args["ppo_support_commit"].removesuffix("-dirty") == provenance.git_info(ROOT)["git_commit"]
 
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 128 * 2

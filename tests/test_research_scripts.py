@@ -320,7 +320,7 @@ def test_a_loaded_script_imports_the_package_beside_it_and_the_tools_keep_theirs
     (checkout / "my_ppo.py").write_text((ROOT / "ppo_mlp.py").read_text())
     module = load_module(checkout / "my_ppo.py")
     assert Path(module.rundir.__file__).parent == checkout / "ppo_support"
-    assert module.rundir.script_info(module.Args())["ppo_support_version"] == "0.0.0-other"
+    assert module.rundir.provenance.script_info(module.Args())["ppo_support_version"] == "0.0.0-other"
     assert sys.modules["ppo_support"] is ppo_support and Path(ppo_support.__file__).parent == ROOT / "ppo_support"
     assert sys.modules["ppo_support.rundir"].__file__ == str(ROOT / "ppo_support" / "rundir.py")
     # a script beside the tools' own package shares it

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from helpers import ROOT, read_wandb_offline_run, run_script
-from ppo_support import contract, logs, rundir
+from ppo_support import contract, logs, provenance
 
 # 4 cycles of 2 seeds each, checkpointed every cycle.
 TINY = {
@@ -104,13 +104,13 @@ def test_resume_continues_each_seeds_wandb_run(tmp_path, per_seed_run):
 
 
 def test_git_info_is_empty_outside_a_checkout_and_without_git(tmp_path, monkeypatch):
-    assert rundir.git_info(ROOT / "ppo_mlp.py")["git_commit"] == head_commit()
+    assert provenance.git_info(ROOT / "ppo_mlp.py")["git_commit"] == head_commit()
     copy = tmp_path / "ppo_mlp_copy.py"
     shutil.copy(ROOT / "ppo_mlp.py", copy)
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))  # git must not look above tmp_path
-    assert rundir.git_info(copy) == {}
+    assert provenance.git_info(copy) == {}
     monkeypatch.setenv("PATH", str(tmp_path / "empty"))
-    assert rundir.git_info(ROOT / "ppo_mlp.py") == {}
+    assert provenance.git_info(ROOT / "ppo_mlp.py") == {}
 
 
 def without_wandb_login(tmp_path: Path, **variables: str) -> dict[str, str]:
