@@ -5,6 +5,7 @@
     python scripts/benchmark.py --script ppo_lstm_impala.py --out bench.md
     python scripts/benchmark.py --script ppo_lstm_impala.py --configs gpu --out gpu.md   # on a GPU
     python scripts/benchmark.py --script ppo_mlp.py --configs cartpole --repeats 5 --against ../old   # A/B
+    python scripts/benchmark.py --script ~/exp/my_ppo.py --configs-of ppo_mlp.py --configs cartpole   # a copy
 
 Each run is a separate process (so compile caches and memory do not leak between runs) and
 reports what the script itself wrote in summary.json: env steps/s over all seeds after
@@ -18,6 +19,9 @@ each of --repeats rounds runs the config with DIR's script and with this one, in
 turning each round, and the table gives the median env steps/s of each, the median of the
 per-round ratios (this / DIR) and the lowest and highest round: this VM's speed drifts over
 minutes, so only ratios taken within a round can tell a few percent apart.
+
+--script is a script of this repository or the path of a copy anywhere; a copy runs the configs
+of the script it was copied from (--configs-of), and with --against DIR, DIR's file of its name.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from runlib import ROOT, machine_description, run_config  # noqa: E402
+from runlib import machine_description, run_config, script_file  # noqa: E402
 
 # name -> flags. The CartPole config is PureJaxRL's ppo.py default (4 envs x 128 steps,
 # 4 epochs x 4 minibatches, 500k steps). The Breakout configs are ppo_lstm_impala.py's defaults
@@ -75,19 +79,20 @@ CPU_CONFIGS = {
 }
 
 
-def best_row(script: str, name: str, flags: list[str], repeats: int) -> tuple[str, dict]:
-    """The markdown row of a config's best of `repeats` runs, and that run's summary."""
+def best_row(script: Path, kind: str, name: str, flags: list[str], repeats: int) -> tuple[str, dict]:
+    """The markdown row of a config's best of `repeats` runs, and that run's summary; `kind`: the
+    script whose configs these are."""
     summaries = []
     for _ in range(repeats):
         with tempfile.TemporaryDirectory() as folder:
-            summaries.append(run_config(script, flags, Path(folder) / "run"))
+            summaries.append(run_config(str(script), flags, Path(folder) / "run"))
     best = max(summaries, key=lambda summary: summary["sps"])
     final, device_mb = best.get("final_episodic_return"), best.get("peak_device_memory_mb")
     if "points" in best:  # a --sweep: its best point's
         final = max((point["final_episodic_return"] for point in best["points"] if point["final_episodic_return"] is not None),
                     default=None)
     per_seed_sps = best["sps"] / best["num_seeds"]
-    default_run_hours = (best["compile_seconds"] + DEFAULT_RUN_ENV_STEPS[script] / per_seed_sps) / 3600
+    default_run_hours = (best["compile_seconds"] + DEFAULT_RUN_ENV_STEPS[kind] / per_seed_sps) / 3600
     return (
         f"| {name} | `{' '.join(flags) or '(defaults)'}` | {best['sps']:,.0f} | {best['compile_seconds']:.1f} | "
         f"{'-' if final is None else f'{final:.1f}'} | {best['peak_rss_mb']:.0f} | "
@@ -95,17 +100,17 @@ def best_row(script: str, name: str, flags: list[str], repeats: int) -> tuple[st
     ), best
 
 
-def against_row(script: str, name: str, flags: list[str], repeats: int, other: Path) -> tuple[str, dict]:
-    """The markdown row of a config run `repeats` rounds, this checkout and `other` in turn, and the
-    summary of this checkout's last run."""
+def against_row(script: Path, name: str, flags: list[str], repeats: int, other: Path) -> tuple[str, dict]:
+    """The markdown row of a config run `repeats` rounds, this script and `other` (another
+    checkout's file of the same name) in turn, and the summary of this script's last run."""
     speeds: dict[str, list[float]] = {"this": [], "other": []}
     compiles: dict[str, list[float]] = {"this": [], "other": []}
     summaries: dict[str, dict] = {}
-    roots = [("this", ROOT), ("other", other)]
+    scripts = [("this", script), ("other", other)]
     for round_ in range(repeats):
-        for label, root in roots[round_ % 2:] + roots[: round_ % 2]:  # the order turns each round
+        for label, path in scripts[round_ % 2:] + scripts[: round_ % 2]:  # the order turns each round
             with tempfile.TemporaryDirectory() as folder:
-                summary = run_config(script, flags, Path(folder) / "run", root=root)
+                summary = run_config(str(path), flags, Path(folder) / "run")
             speeds[label].append(summary["sps"])
             compiles[label].append(summary["compile_seconds"])
             summaries[label] = summary
@@ -122,7 +127,9 @@ def against_row(script: str, name: str, flags: list[str], repeats: int, other: P
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--script", required=True, choices=sorted(CONFIGS))
+    parser.add_argument("--script", required=True, help="ppo_mlp.py, ppo_lstm_impala.py, or the path of a copy of one")
+    parser.add_argument("--configs-of", choices=sorted(CONFIGS),
+                        help="whose configs a copy runs (default: the script's own file name)")
     parser.add_argument("--configs", nargs="+", help="names of configs, or `gpu` for the GPU set (default: the CPU set)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per config; the table shows the best SPS")
     parser.add_argument("--against", type=Path, metavar="DIR",
@@ -130,23 +137,30 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help="also write the markdown table here")
     parser.add_argument("extra", nargs=argparse.REMAINDER, help="flags passed to every run, after --")
     options = parser.parse_args()
-    names = options.configs or CPU_CONFIGS[options.script]
+    try:
+        script = script_file(options.script)
+    except FileNotFoundError as error:
+        parser.error(str(error))
+    kind = options.configs_of or script.name
+    if kind not in CONFIGS:
+        parser.error(f"--configs-of: {script.name} is not {' or '.join(sorted(CONFIGS))}; name the script it was copied from")
+    names = options.configs or CPU_CONFIGS[kind]
     if names == ["gpu"]:
-        names = GPU_CONFIGS[options.script]
-    unknown = [name for name in names if name not in CONFIGS[options.script]]
+        names = GPU_CONFIGS[kind]
+    unknown = [name for name in names if name not in CONFIGS[kind]]
     if unknown:
-        parser.error(f"--configs: unknown {unknown}; choose from {sorted(CONFIGS[options.script])}")
+        parser.error(f"--configs: unknown {unknown}; choose from {sorted(CONFIGS[kind])}")
     if options.repeats < 1:
         parser.error("--repeats must be >= 1")
-    if options.against is not None and not (options.against / options.script).is_file():
-        parser.error(f"--against {options.against}: no {options.script} there")
+    if options.against is not None and not (options.against / script.name).is_file():
+        parser.error(f"--against {options.against}: no {script.name} there")
     extra = [flag for flag in options.extra if flag != "--"]
 
     command = " ".join(["python scripts/benchmark.py", *sys.argv[1:]])
     if options.against is None:
         lines = [
             f"| config | flags | env steps/s (all seeds) | compile s | final return | peak RSS MB | peak device MB | "
-            f"one seed's {DEFAULT_RUN_ENV_STEPS[options.script]:,} env steps at this rate |",
+            f"one seed's {DEFAULT_RUN_ENV_STEPS[kind]:,} env steps at this rate |",
             "|---|---|---|---|---|---|---|---|",
         ]
     else:
@@ -156,14 +170,14 @@ def main() -> int:
             "|---|---|---|---|---|---|---|",
         ]
     for name in names:
-        flags = CONFIGS[options.script][name] + extra
+        flags = CONFIGS[kind][name] + extra
         if options.against is None:
-            row, summary = best_row(options.script, name, flags, options.repeats)
+            row, summary = best_row(script, kind, name, flags, options.repeats)
         else:
-            row, summary = against_row(options.script, name, flags, options.repeats, options.against)
+            row, summary = against_row(script, name, flags, options.repeats, options.against / script.name)
         lines.append(row)
         print(row, flush=True)
-    lines[:0] = [f"`{options.script}` on {machine_description(summary)}, {datetime.date.today().isoformat()}: `{command}`", ""]
+    lines[:0] = [f"`{script.name}` on {machine_description(summary)}, {datetime.date.today().isoformat()}: `{command}`", ""]
     table = "\n".join(lines)
     print("\n" + table)
     if options.out:

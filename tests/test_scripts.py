@@ -61,6 +61,23 @@ def test_benchmark_rejects_an_unknown_config():
     assert result.returncode == 2 and "--against" in result.stderr
 
 
+def test_benchmark_runs_a_copy_outside_the_repository_on_the_configs_it_names(tmp_path):
+    """--script takes the path of a copy; --configs-of names whose configs it runs (a copy's own
+    name says nothing); a missing file or a copy without --configs-of: one line, exit 2."""
+    copy = tmp_path / "my_ppo.py"
+    copy.write_text((ROOT / "ppo_mlp.py").read_text())
+    for arguments, named in [(["--script", str(copy), "--configs", "cartpole"], "--configs-of"),
+                             (["--script", str(tmp_path / "nope.py")], "--script")]:
+        result = run_script("scripts/benchmark.py", *arguments, timeout=60)
+        assert result.returncode == 2 and named in result.stderr.splitlines()[-1], result.stderr
+    out = tmp_path / "bench.md"
+    result = run_tool("scripts/benchmark.py", "--script", str(copy), "--configs-of", "ppo_mlp.py", "--configs", "cartpole",
+                      "--out", str(out), "--", "--num-total-env-steps", "2048", timeout=300, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    text = out.read_text()
+    assert text.startswith("`my_ppo.py` on ") and "\n| cartpole | `--num-total-env-steps 2048` | " in text
+
+
 def test_benchmark_against_another_checkout_alternates_rounds_and_gives_their_ratios(tmp_path):
     """Here the other checkout is this one: the row has both medians, the median ratio and the
     lowest and highest round's."""
