@@ -34,6 +34,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent  # the repository: the training scripts and ppo_support
 sys.path.insert(1, str(ROOT))  # the tools' own ppo_support: the one beside the scripts of this repository
 from ppo_support import contract, rundir  # noqa: E402
+from ppo_support.errors import flag  # noqa: E402  (num_seeds -> --num-seeds, as the scripts spell it)
 
 PACKAGE = "ppo_support"
 
@@ -149,10 +150,6 @@ def load_script_for_run(args: dict[str, Any], run_dir: Path | None = None, scrip
 def script_defaults(script: str | Path) -> dict[str, Any]:
     """{field name: default} of the script's `Args` dataclass: which flags it has."""
     return {field.name: field.default for field in dataclasses.fields(load_script(script).Args)}
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def flags_for(name: str, value: Any) -> list[str]:
