@@ -191,7 +191,8 @@ class Batch(NamedTuple):
     """Training data of one cycle, cut into sequences: every field but `carry` is (L, S, ...)
     with sequence length L and S sequences, L * S = T * N. bptt: L = T, S = N (whole env
     sequences, `carry` is each env's carry at the start of the rollout). stored: L = 1, S = T * N
-    (single transitions, `carry` is the one stored at that step, after its reset)."""
+    (single transitions, `carry` is the one stored at that step, after its reset).
+    batch_from_rollout makes it; advantage and target are None until GAE fills them in."""
 
     obs: jax.Array
     episode_start: jax.Array  # (L, S) bool
@@ -605,33 +606,68 @@ def final_prev_action_reward(transitions: Transition) -> jax.Array | None:
     return this_step.reshape(1, -1, num_actions + 1)
 
 
-def evaluate_rollout(
-    params: Any, first_carry: jax.Array, transitions: Transition, network: ActorCritic, args: Args
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
-    """Cuts the rollout into the sequences the loss unrolls, (L, S, ...) with L * S = T * N, and
-    computes the rollout's log-probs and values with the loss's own forward pass (not the
-    rollout's), so that the first minibatch reproduces them exactly.
+def split_sequences(x: jax.Array, axis: int, num_minibatches: int) -> jax.Array:
+    """Cuts the sequence axis (0 for `carry`, 1 for every other Batch field) into
+    num_minibatches groups: (..., S, ...) -> (M, ..., S / M, ...)."""
+    x = jnp.moveaxis(x, axis, 0)
+    x = x.reshape(num_minibatches, x.shape[0] // num_minibatches, *x.shape[1:])
+    return jnp.moveaxis(x, 1, axis + 1)
 
-    Returns the sequences' first carry (S, C) and episode starts (L, S), logp (L, S),
-    value (L, S), and next_value (T, N) = V(final_obs[t]) from the carry after obs[t], before
-    any reset: a reset carry would bootstrap a truncated episode from the wrong state.
+
+def merge_sequences(x: jax.Array, axis: int) -> jax.Array:
+    """The inverse of split_sequences."""
+    x = jnp.moveaxis(x, axis + 1, 1)
+    x = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+    return jnp.moveaxis(x, 0, axis)
+
+
+def forward_in_minibatches(
+    params: Any, carry: jax.Array, obs: jax.Array, episode_start: jax.Array, network: ActorCritic, num_minibatches: int,
+    prev_action_reward: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The loss's forward pass over all S sequences, one minibatch-sized group at a time:
+    carry (S, C), obs (L, S, ...), episode_start (L, S) -> carries (L, S, C), logits (L, S, A),
+    value (L, S). Same shapes and function as in loss_fn, so the first minibatch's ratio is 1.0
+    exactly, as in ppo_mlp.py; it also bounds the memory of the pass."""
+    groups = (
+        split_sequences(carry, 0, num_minibatches),
+        split_sequences(obs, 1, num_minibatches),
+        split_sequences(episode_start, 1, num_minibatches),
+        None if prev_action_reward is None else split_sequences(prev_action_reward, 1, num_minibatches),
+    )
+    carries, logits, value = jax.lax.map(lambda group: network.apply(params, *group), groups)
+    return merge_sequences(carries, 1), merge_sequences(logits, 1), merge_sequences(value, 1)
+
+
+def batch_from_rollout(
+    params: Any, first_carry: jax.Array, transitions: Transition, network: ActorCritic, args: Args
+) -> tuple[Batch, jax.Array]:
+    """The rollout as the loss sees it: cut into the sequences the loss unrolls, (L, S, ...) with
+    L * S = T * N, with the log-probs and values of the loss's own forward pass (not the
+    rollout's), so that the first minibatch reproduces them exactly. Its advantage and target are
+    None until GAE fills them in.
+
+    Also returns next_value (T, N) = V(final_obs[t]) from the carry after obs[t], before any
+    reset: a reset carry would bootstrap a truncated episode from the wrong state.
     """
     num_steps, num_envs = transitions.action.shape  # this device's envs
     sequence_shape = (args.sequence_length, num_steps * num_envs // args.sequence_length)
-    to_sequences = lambda x: x.reshape(*sequence_shape, *x.shape[2:])  # noqa: E731
+    to_sequences = lambda x: None if x is None else x.reshape(*sequence_shape, *x.shape[2:])  # noqa: E731
     if args.lstm_training == "bptt":
         sequence_carry, sequence_start = first_carry, transitions.episode_start
     else:  # the stored carries are already reset
         sequence_carry = transitions.carry.reshape(num_steps * num_envs, args.carry_size)
         sequence_start = jnp.zeros(sequence_shape, bool)
-
-    prev_action_reward = None if transitions.prev_action_reward is None else to_sequences(transitions.prev_action_reward)
-    carries, logits, value = forward_in_minibatches(
-        params, sequence_carry, to_sequences(transitions.obs), sequence_start, network, args.num_minibatches_per_epoch,
-        prev_action_reward,
+    batch = Batch(
+        obs=to_sequences(transitions.obs), episode_start=sequence_start, carry=sequence_carry,
+        action=to_sequences(transitions.action), logp=None, value=None, advantage=None, target=None,
+        action_mask=to_sequences(transitions.action_mask), prev_action_reward=to_sequences(transitions.prev_action_reward),
     )
-    action_mask = None if transitions.action_mask is None else to_sequences(transitions.action_mask)
-    logp, _ = log_prob_and_entropy(masked(logits, action_mask), to_sequences(transitions.action))
+
+    carries, logits, value = forward_in_minibatches(
+        params, batch.carry, batch.obs, batch.episode_start, network, args.num_minibatches_per_epoch, batch.prev_action_reward
+    )
+    logp, _ = log_prob_and_entropy(masked(logits, batch.action_mask), batch.action)
     _, _, next_value = forward_in_minibatches(
         params,
         carries.reshape(num_steps * num_envs, args.carry_size),  # carry after obs[t], (T * N, C)
@@ -641,7 +677,7 @@ def evaluate_rollout(
         args.num_minibatches_per_epoch,
         final_prev_action_reward(transitions),  # the final observation's: its own step's action and reward
     )
-    return sequence_carry, sequence_start, logp, value, next_value.reshape(num_steps, num_envs)
+    return batch._replace(logp=logp, value=value), next_value.reshape(num_steps, num_envs)
 
 
 # --- reward normalisation (37 details: 30) ------------------------------------------------------
@@ -813,21 +849,6 @@ def minibatch_update(
     return UpdateCarry(params, opt_state, kl_stopped, non_finite, metric_sums, carry.num_applied + applied, step_sizes)
 
 
-def split_sequences(x: jax.Array, axis: int, num_minibatches: int) -> jax.Array:
-    """Cuts the sequence axis (0 for `carry`, 1 for every other Batch field) into
-    num_minibatches groups: (..., S, ...) -> (M, ..., S / M, ...)."""
-    x = jnp.moveaxis(x, axis, 0)
-    x = x.reshape(num_minibatches, x.shape[0] // num_minibatches, *x.shape[1:])
-    return jnp.moveaxis(x, 1, axis + 1)
-
-
-def merge_sequences(x: jax.Array, axis: int) -> jax.Array:
-    """The inverse of split_sequences."""
-    x = jnp.moveaxis(x, axis + 1, 1)
-    x = x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-    return jnp.moveaxis(x, 0, axis)
-
-
 def cut_minibatches(batch: Batch, permutation: jax.Array, num_minibatches: int) -> Batch:
     """Shuffled minibatches (M, L, S / M, ...) of whole sequences; `carry` (M, S / M, C)."""
     return Batch(
@@ -840,24 +861,6 @@ def cut_minibatches(batch: Batch, permutation: jax.Array, num_minibatches: int) 
 
 def sequence_axes(batch: Batch) -> Batch:
     return Batch(*(0 if name == "carry" else 1 for name in Batch._fields))
-
-
-def forward_in_minibatches(
-    params: Any, carry: jax.Array, obs: jax.Array, episode_start: jax.Array, network: ActorCritic, num_minibatches: int,
-    prev_action_reward: jax.Array | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The loss's forward pass over all S sequences, one minibatch-sized group at a time:
-    carry (S, C), obs (L, S, ...), episode_start (L, S) -> carries (L, S, C), logits (L, S, A),
-    value (L, S). Same shapes and function as in loss_fn, so the first minibatch's ratio is 1.0
-    exactly, as in ppo_mlp.py; it also bounds the memory of the pass."""
-    groups = (
-        split_sequences(carry, 0, num_minibatches),
-        split_sequences(obs, 1, num_minibatches),
-        split_sequences(episode_start, 1, num_minibatches),
-        None if prev_action_reward is None else split_sequences(prev_action_reward, 1, num_minibatches),
-    )
-    carries, logits, value = jax.lax.map(lambda group: network.apply(params, *group), groups)
-    return merge_sequences(carries, 1), merge_sequences(logits, 1), merge_sequences(value, 1)
 
 
 def update_cycle(
@@ -936,25 +939,15 @@ def train_cycle(
     )
     reward_stats, env_carry, reward = normalize_rewards(state.reward_stats, env_carry, transitions, args.gamma, axis_name)
 
+    batch, next_value = batch_from_rollout(state.params, first_carry, transitions, network, args)
     num_steps, num_envs = transitions.action.shape
-    sequence_carry, sequence_start, logp, value, next_value = evaluate_rollout(
-        state.params, first_carry, transitions, network, args
-    )
-    to_sequences = lambda x: x.reshape(*logp.shape, *x.shape[2:])  # noqa: E731  (T, N, ...) -> (L, S, ...)
-
     done = jnp.logical_or(transitions.terminated, transitions.truncated)
     bootstrap_stops = transitions.terminated if args.bootstrap_truncated else done
     advantage, target = compute_gae(
-        reward, value.reshape(num_steps, num_envs), next_value.reshape(num_steps, num_envs),
+        reward, batch.value.reshape(num_steps, num_envs), next_value,
         bootstrap_stops.astype(jnp.float32), done, args.gamma, args.gae_lambda,
     )
-    action_mask = None if transitions.action_mask is None else to_sequences(transitions.action_mask)
-    batch = Batch(
-        obs=to_sequences(transitions.obs), episode_start=sequence_start, carry=sequence_carry,
-        action=to_sequences(transitions.action), logp=logp, value=value, advantage=to_sequences(advantage),
-        target=to_sequences(target), action_mask=action_mask,
-        prev_action_reward=None if transitions.prev_action_reward is None else to_sequences(transitions.prev_action_reward),
-    )
+    batch = batch._replace(advantage=advantage.reshape(batch.logp.shape), target=target.reshape(batch.logp.shape))
     params, opt_state, metrics, non_finite = update_cycle(
         state.params, state.opt_state, batch, update_key, state.cycle, state.non_finite, network, optimizer, args, axis_name
     )

@@ -15,7 +15,7 @@ cycle's shapes (random observations and rollout data: the costs do not depend on
   work; action sampling, frame stacking and bookkeeping are not timed);
 - (b) post-rollout forward: the batched forward over the whole rollout as `train_cycle` does it
   (ppo_mlp.py: the forward on the T x N observations and on their final observations, then the
-  log-probs; ppo_lstm_impala.py: `evaluate_rollout`), x 1;
+  log-probs; ppo_lstm_impala.py: `batch_from_rollout`), x 1;
 - (c) minibatch forward+backward: `jax.value_and_grad` of the script's `loss_fn` on one minibatch,
   x epochs x minibatches (no optimizer step).
 
@@ -135,7 +135,7 @@ def lstm_parts(module, args, network, params, data):
     )
 
     def post_rollout_forward(params, first_carry, transitions):
-        return module.evaluate_rollout(params, first_carry, transitions, network, args)
+        return module.batch_from_rollout(params, first_carry, transitions, network, args)
 
     # One minibatch: (L, S / M, ...) of the (L, S) sequences, `carry` (S / M, C).
     length, width = args.sequence_length, args.num_sequences // args.num_minibatches_per_epoch
@@ -160,7 +160,7 @@ def part_seconds(module, args, calls: int) -> list[tuple[str, str, float]]:
     env, env_params = module.envs.make_env(args.env_id, args.sticky_action_prob, args.optimistic_reset_ratio, args.env_params)
     num_actions = env.action_space(env_params).n
     network = module.make_network(args, num_actions)
-    recurrent = hasattr(module, "evaluate_rollout")
+    recurrent = hasattr(module, "batch_from_rollout")
     if recurrent:
         obs_shape = module.stacked_obs_shape(env, env_params, args.frame_stack)
     else:

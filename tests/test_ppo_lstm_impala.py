@@ -393,7 +393,8 @@ def test_invalid_actions_are_never_taken_when_the_env_masks_them(tmp_path):
     _, transitions, _ = ppo.collect_rollout(params, env_carry, jax.random.key(2), network, env, env_params, 12, True, False)
     assert transitions.action_mask.shape == (12, args.num_parallel_envs, 3)
     assert np.all(np.asarray(transitions.action) != 0) and np.any(np.asarray(transitions.action) == 2)
-    _, _, logp, _, _ = ppo.evaluate_rollout(params, env_carry.lstm_carry, transitions, network, args)
+    batch, _ = ppo.batch_from_rollout(params, env_carry.lstm_carry, transitions, network, args)
+    logp = batch.logp
     assert np.all(np.isfinite(logp)) and np.all(np.asarray(logp) > np.log(0.4))  # 2 valid actions, ~1/2 each
 
 
@@ -418,7 +419,7 @@ def test_next_value_uses_pre_reset_carry(tmp_path, lstm_training):
         before = jnp.concatenate([env_carry.lstm_carry[None], carries[:-1]])
         stored = jnp.where(transitions.episode_start[..., None], 0.0, before)
         transitions = transitions._replace(carry=stored)
-    *_, next_value = ppo.evaluate_rollout(params, env_carry.lstm_carry, transitions, network, args)
+    _, next_value = ppo.batch_from_rollout(params, env_carry.lstm_carry, transitions, network, args)
 
     truncated = np.asarray(transitions.truncated)
     start = np.asarray(transitions.episode_start)
