@@ -11,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import sys
+import types
 from typing import TYPE_CHECKING, Any, Callable, NamedTuple
 
 import jax
@@ -20,6 +22,21 @@ from .errors import ConfigError
 
 if TYPE_CHECKING:
     from gymnax.environments import spaces
+
+
+class DeferredSeaborn(types.ModuleType):
+    """gymnax's Pong imports seaborn (and with it scipy) for a colour palette that only its
+    renderer uses: about 1.5 s of every start of a script. This stands in for it until one of its
+    attributes is read, and then imports it."""
+
+    def __getattr__(self, name: str) -> Any:
+        if sys.modules.get("seaborn") is self:
+            del sys.modules["seaborn"]
+        return getattr(importlib.import_module("seaborn"), name)
+
+
+if "seaborn" not in sys.modules:
+    sys.modules["seaborn"] = DeferredSeaborn("seaborn")  # before anything imports gymnax
 
 CRAFTAX_IDS = ("Craftax-Classic-Symbolic-v1", "Craftax-Classic-Pixels-v1", "Craftax-Symbolic-v1", "Craftax-Pixels-v1")
 XMINIGRID_PREFIXES = ("MiniGrid-", "XLand-MiniGrid-")  # every id in xminigrid.registered_environments()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from helpers import ROOT
 
 import ppo_lstm_impala
 import ppo_mlp
@@ -481,3 +483,19 @@ def test_minigrid_memory_trains_with_ppo_lstm_impala_and_logs_success(tmp_path):
     successes = [row["env/success"] for row in rows if row["env/success"] is not None]
     assert successes and all(0.0 <= value <= 1.0 for value in successes)
     assert all((row["env/success"] is None) == (row["charts/episodic_return"] is None) for row in rows)
+
+
+def test_gymnax_loads_seaborn_only_when_its_pong_renders():
+    """gymnax's Pong imports seaborn (and scipy) for its renderer's palette: a script's process
+    starts without loading them (envs.DeferredSeaborn), and Pong's renderer still gets seaborn's."""
+    code = (
+        "import sys, ppo_lstm_impala, gymnax\n"
+        "from gymnax.environments.misc import pong\n"
+        "assert 'seaborn.palettes' not in sys.modules and 'scipy.stats' not in sys.modules, 'loaded at start'\n"
+        "palette = pong.sns.color_palette('cubehelix', 3)\n"
+        "import seaborn\n"
+        "assert 'seaborn.palettes' in sys.modules and len(palette) == 3\n"
+        "assert seaborn.color_palette('cubehelix', 3) == palette and type(sys.modules['seaborn']).__name__ == 'module'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
