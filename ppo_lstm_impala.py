@@ -184,7 +184,7 @@ class Transition(NamedTuple):
     truncated: jax.Array  # (T, N) bool
     final_obs: jax.Array  # (T, N, *obs_shape)
     action_mask: jax.Array | None  # (T, N, A) bool, or None when actions are not masked
-    prev_action_reward: jax.Array | None = None  # (T, N, A + 1) the LSTM's extra input with obs[t] (EnvCarry's), or None
+    prev_action_reward: jax.Array | None = None  # (T, N, A + 1) the LSTM's extra input with obs[t] (RolloutState's), or None
 
 
 class Batch(NamedTuple):
@@ -206,8 +206,8 @@ class Batch(NamedTuple):
     prev_action_reward: jax.Array | None = None  # (L, S, A + 1), or None
 
 
-class EnvCarry(NamedTuple):
-    """What the environments carry from one cycle to the next, per seed."""
+class RolloutState(NamedTuple):
+    """The environments' state from one cycle to the next, per seed."""
 
     env_state: Any
     obs: jax.Array  # (N, *obs_shape): the frame stack, with --frame-stack
@@ -239,7 +239,7 @@ class TrainState(NamedTuple):
 
     params: Any
     opt_state: Any
-    env: EnvCarry
+    env: RolloutState
     key: jax.Array
     cycle: jax.Array  # cycles completed
     non_finite: jax.Array  # NaN guard: 0 while healthy, else the nan_guard.NON_FINITE_CHECKS index that failed
@@ -248,8 +248,8 @@ class TrainState(NamedTuple):
     sweep: dict[str, jax.Array] | None = None  # --sweep: this run's hyper-parameters (ppo_support/sweeps.py); else None
 
 
-class UpdateCarry(NamedTuple):
-    """What the minibatch updates of one cycle carry from one to the next."""
+class UpdateState(NamedTuple):
+    """The state of one cycle's minibatch updates, from one to the next."""
 
     params: Any
     opt_state: Any
@@ -257,7 +257,7 @@ class UpdateCarry(NamedTuple):
     non_finite: jax.Array  # NaN guard: 0, or the nan_guard.NON_FINITE_CHECKS index of the first non-finite value
     metric_sums: dict[str, jax.Array]  # over the minibatches applied
     num_applied: jax.Array  # minibatch updates applied
-    step_sizes: dict[str, jax.Array]  # charts/learning_rate and charts/clip_eps of the last update applied (NaN before)
+    lr_and_clip: dict[str, jax.Array]  # charts/learning_rate and charts/clip_eps of the last update applied (NaN before)
 
 
 # --- Network -------------------------------------------------------------------------------
@@ -523,7 +523,7 @@ def uses_action_mask(args: Args, env: Any) -> bool:
     return args.mask_invalid_actions and callable(getattr(env, "action_mask", None))
 
 
-def reset_envs(key: jax.Array, env: Any, env_params: Any, num_envs: int, args: Args) -> EnvCarry:
+def reset_envs(key: jax.Array, env: Any, env_params: Any, num_envs: int, args: Args) -> RolloutState:
     """Fresh episodes in every env, a fresh frame stack, zero LSTM carries and a zero discounted
     return for --norm-reward."""
     frame, env_state = jax.vmap(env.reset, in_axes=(0, None))(jax.random.split(key, num_envs), env_params)
@@ -532,7 +532,7 @@ def reset_envs(key: jax.Array, env: Any, env_params: Any, num_envs: int, args: A
     lstm_carry = jnp.zeros((num_envs, args.carry_size), jnp.float32)
     zeros = jnp.zeros((num_envs,), jnp.float32)
     prev_action_reward = jnp.zeros((num_envs, env.action_space(env_params).n + 1), jnp.float32) if args.prev_action_reward else None
-    return EnvCarry(env_state, push_frame(stack, frame, starts), starts, lstm_carry, zeros, jnp.zeros((num_envs,), jnp.int32), zeros,
+    return RolloutState(env_state, push_frame(stack, frame, starts), starts, lstm_carry, zeros, jnp.zeros((num_envs,), jnp.int32), zeros,
                     prev_action_reward)
 
 
@@ -545,55 +545,55 @@ def next_prev_action_reward(prev_action_reward: jax.Array | None, action: jax.Ar
     return jnp.where(done[:, None], 0.0, this_step.astype(jnp.float32))
 
 
-def with_time_axis(x: jax.Array | None) -> jax.Array | None:
+def add_time_axis(x: jax.Array | None) -> jax.Array | None:
     return None if x is None else x[None]
 
 
 def collect_rollout(
-    params: Any, env_carry: EnvCarry, key: jax.Array, network: ActorCritic, env: Any, env_params: Any,
+    params: Any, rollout_state: RolloutState, key: jax.Array, network: ActorCritic, env: Any, env_params: Any,
     num_steps: int, mask_actions: bool, store_carries: bool, info_names: tuple[str, ...] = (),
-) -> tuple[EnvCarry, Transition, dict[str, jax.Array]]:
+) -> tuple[RolloutState, Transition, dict[str, jax.Array]]:
     """Steps N envs for T steps with the current policy, carrying the LSTM state. Returns the new
-    carry, the transitions, and `finished`: per step (T, N) the return, the length and the env's
-    own `info` metrics (info_names, as env/<name>) of the episodes that ended there, NaN where
-    none ended. With store_carries each step's carry (after its reset) is kept (stored)."""
-    num_envs = env_carry.obs.shape[0]
+    rollout state, the transitions, and `finished`: per step (T, N) the return, the length and the
+    env's own `info` metrics (info_names, as env/<name>) of the episodes that ended there, NaN
+    where none ended. With store_carries each step's carry (after its reset) is kept (stored)."""
+    num_envs = rollout_state.obs.shape[0]
     num_actions = env.action_space(env_params).n
     gumbel_key, env_key = jax.random.split(key)
     gumbel = jax.random.gumbel(gumbel_key, (num_steps, num_envs, num_actions))  # (T, N, A)
     env_keys = jax.random.split(env_key, num_steps * num_envs).reshape(num_steps, num_envs)
 
-    def step(carry: EnvCarry, step_input):
+    def step(rollout: RolloutState, step_input):
         step_gumbel, step_keys = step_input
-        lstm_carries, logits, _ = network.apply(params, carry.lstm_carry, carry.obs[None], carry.episode_start[None],
-                                                with_time_axis(carry.prev_action_reward))
-        action_mask = jax.vmap(env.action_mask, in_axes=(0, None))(carry.env_state, env_params) if mask_actions else None
+        lstm_carries, logits, _ = network.apply(params, rollout.lstm_carry, rollout.obs[None], rollout.episode_start[None],
+                                                add_time_axis(rollout.prev_action_reward))
+        action_mask = jax.vmap(env.action_mask, in_axes=(0, None))(rollout.env_state, env_params) if mask_actions else None
         action = jnp.argmax(masked(logits[0], action_mask) + step_gumbel, axis=-1)  # Gumbel-max = categorical sample
-        stepped = envs.step_envs(env, step_keys, carry.env_state, action, env_params)
+        stepped = envs.step_envs(env, step_keys, rollout.env_state, action, env_params)
         next_frame, env_state, reward, terminated, truncated, info = stepped
         done = jnp.logical_or(terminated, truncated)
-        next_obs = push_frame(carry.obs, next_frame, done)
+        next_obs = push_frame(rollout.obs, next_frame, done)
         # The stack the step produced, before the reset: the same history, its own last frame.
-        final_obs = push_frame(carry.obs, info["final_observation"], jnp.zeros_like(done))
-        episode_return = carry.episode_return + reward
-        episode_length = carry.episode_length + 1
+        final_obs = push_frame(rollout.obs, info["final_observation"], jnp.zeros_like(done))
+        episode_return = rollout.episode_return + reward
+        episode_length = rollout.episode_length + 1
         episode_end = {"charts/episodic_return": episode_return, "charts/episodic_length": episode_length}
         episode_end.update({f"env/{name}": info[name] for name in info_names})
         finished = {name: jnp.where(done, value.astype(jnp.float32), jnp.nan) for name, value in episode_end.items()}
-        new_carry = EnvCarry(  # the carry reset itself happens in the next forward pass, from episode_start
+        new_rollout = RolloutState(  # the carry reset itself happens in the next forward pass, from episode_start
             env_state, next_obs, done, lstm_carries[0], jnp.where(done, 0.0, episode_return), jnp.where(done, 0, episode_length),
-            carry.discounted_return, next_prev_action_reward(carry.prev_action_reward, action, reward, done),
+            rollout.discounted_return, next_prev_action_reward(rollout.prev_action_reward, action, reward, done),
         )
-        stored_carry = reset_carry(carry.lstm_carry, carry.episode_start) if store_carries else carry.lstm_carry[:, :0]
+        stored_carry = reset_carry(rollout.lstm_carry, rollout.episode_start) if store_carries else rollout.lstm_carry[:, :0]
         transition = Transition(
-            obs=carry.obs, episode_start=carry.episode_start, carry=stored_carry, action=action,
+            obs=rollout.obs, episode_start=rollout.episode_start, carry=stored_carry, action=action,
             reward=reward.astype(jnp.float32), terminated=terminated, truncated=truncated, final_obs=final_obs,
-            action_mask=action_mask, prev_action_reward=carry.prev_action_reward,
+            action_mask=action_mask, prev_action_reward=rollout.prev_action_reward,
         )
-        return new_carry, (transition, finished)
+        return new_rollout, (transition, finished)
 
-    env_carry, (transitions, finished) = jax.lax.scan(step, env_carry, (gumbel, env_keys))
-    return env_carry, transitions, finished
+    rollout_state, (transitions, finished) = jax.lax.scan(step, rollout_state, (gumbel, env_keys))
+    return rollout_state, transitions, finished
 
 
 def final_prev_action_reward(transitions: Transition) -> jax.Array | None:
@@ -712,28 +712,28 @@ def update_running_mean_std(stats: RunningMeanStd, batch: jax.Array, axis_name: 
 
 
 def normalize_rewards(
-    stats: RunningMeanStd | None, env_carry: EnvCarry, transitions: Transition, gamma: float, axis_name: str | None
-) -> tuple[RunningMeanStd | None, EnvCarry, jax.Array]:
+    stats: RunningMeanStd | None, rollout_state: RolloutState, transitions: Transition, gamma: float, axis_name: str | None
+) -> tuple[RunningMeanStd | None, RolloutState, jax.Array]:
     """--norm-reward (37 details: 30), step by step as gym's NormalizeReward (gym 0.21-0.25, as
     the 37 details used it): per env, ret = ret * gamma + reward; the variance of ret is updated
     with the batch of N envs; the reward becomes reward / sqrt(var + 1e-8) (no mean subtracted);
     then ret = 0 where the episode ended (done = terminated or truncated). Returns the new stats,
-    env_carry with the new discounted_return, and the rewards (T, N) to train on (the raw ones
+    rollout_state with the new discounted_return, and the rewards (T, N) to train on (the raw ones
     when stats is None)."""
     if stats is None:
-        return None, env_carry, transitions.reward
+        return None, rollout_state, transitions.reward
     done = jnp.logical_or(transitions.terminated, transitions.truncated)
 
-    def step(carry, step_input):
-        stats, discounted_return = carry
+    def step(running, step_input):
+        stats, discounted_return = running
         reward, done = step_input
         discounted_return = discounted_return * gamma + reward
         stats = update_running_mean_std(stats, discounted_return, axis_name)
         scaled = reward / jnp.sqrt(stats.var + NORMALIZE_EPS)
         return (stats, jnp.where(done, 0.0, discounted_return)), scaled
 
-    (stats, discounted_return), reward = jax.lax.scan(step, (stats, env_carry.discounted_return), (transitions.reward, done))
-    return stats, env_carry._replace(discounted_return=discounted_return), reward
+    (stats, discounted_return), reward = jax.lax.scan(step, (stats, rollout_state.discounted_return), (transitions.reward, done))
+    return stats, rollout_state._replace(discounted_return=discounted_return), reward
 
 
 def compute_gae(
@@ -822,31 +822,31 @@ def make_optimizer(args: Args) -> optax.GradientTransformation:
 
 
 def minibatch_update(
-    carry: UpdateCarry, minibatch: Batch, learning_rate: jax.Array, clip_eps: jax.Array, network: ActorCritic,
+    state: UpdateState, minibatch: Batch, learning_rate: jax.Array, clip_eps: jax.Array, network: ActorCritic,
     optimizer: optax.GradientTransformation, args: Args, axis_name: str | None,
-) -> UpdateCarry:
+) -> UpdateState:
     """One gradient step, skipped once --target-kl is exceeded (measured before this step, on this
     minibatch). A non-finite loss or gradient is recorded in `non_finite`; the NaN guard then undoes
     the whole cycle. Under shard_map the gradients, loss and metrics are averaged over devices."""
-    own_params = devices.varying(carry.params, axis_name)  # each device's gradient, not their sum: see devices.varying
+    own_params = devices.varying(state.params, axis_name)  # each device's gradient, not their sum: see devices.varying
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(own_params, minibatch, clip_eps, network, args, axis_name)
     loss, metrics, grads = devices.mean_over_devices((loss, metrics, grads), axis_name)
     metrics["losses/grad_norm"] = optax.tree.norm(grads)  # before clipping
     contract.check_computed_metrics(metrics, MINIBATCH_METRIC_NAMES, "MINIBATCH_METRIC_NAMES", contract.script_name(type(args)))
-    updates, opt_state = optimizer.update(grads, carry.opt_state, carry.params)  # clipped, scaled by Adam
-    params = optax.apply_updates(carry.params, jax.tree.map(lambda update: -learning_rate * update, updates))
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)  # clipped, scaled by Adam
+    params = optax.apply_updates(state.params, jax.tree.map(lambda update: -learning_rate * update, updates))
 
-    kl_stopped = carry.kl_stopped
+    kl_stopped = state.kl_stopped
     if args.target_kl is not None:  # 37 details: target-KL early stopping
         kl_stopped = kl_stopped | (metrics["losses/actor_approxkl3"] > args.target_kl)
         keep_if_not_stopped = lambda new, old: jnp.where(kl_stopped, old, new)  # noqa: E731
-        params, opt_state = jax.tree.map(keep_if_not_stopped, (params, opt_state), (carry.params, carry.opt_state))
-    non_finite = nan_guard.first_non_finite(carry.non_finite, loss, metrics["losses/grad_norm"])
+        params, opt_state = jax.tree.map(keep_if_not_stopped, (params, opt_state), (state.params, state.opt_state))
+    non_finite = nan_guard.first_non_finite(state.non_finite, loss, metrics["losses/grad_norm"])
     applied = ~kl_stopped & (non_finite == 0)
-    metric_sums = jax.tree.map(lambda total, value: total + jnp.where(applied, value, 0.0), carry.metric_sums, metrics)
-    used = {"charts/learning_rate": learning_rate, "charts/clip_eps": clip_eps}
-    step_sizes = jax.tree.map(lambda value, last: jnp.where(applied, value, last), used, carry.step_sizes)
-    return UpdateCarry(params, opt_state, kl_stopped, non_finite, metric_sums, carry.num_applied + applied, step_sizes)
+    metric_sums = jax.tree.map(lambda total, value: total + jnp.where(applied, value, 0.0), state.metric_sums, metrics)
+    this_step = {"charts/learning_rate": learning_rate, "charts/clip_eps": clip_eps}
+    lr_and_clip = jax.tree.map(lambda value, last: jnp.where(applied, value, last), this_step, state.lr_and_clip)
+    return UpdateState(params, opt_state, kl_stopped, non_finite, metric_sums, state.num_applied + applied, lr_and_clip)
 
 
 def cut_minibatches(batch: Batch, permutation: jax.Array, num_minibatches: int) -> Batch:
@@ -876,28 +876,28 @@ def update_cycle(
     lr_schedule = annealed(args.lr, args.anneal_lr, args.num_gradient_steps)
     clip_schedule = annealed(args.clip_eps, args.anneal_clip_eps, args.num_gradient_steps)
 
-    def epoch(carry: UpdateCarry, epoch_input) -> tuple[UpdateCarry, None]:
+    def epoch(state: UpdateState, epoch_input) -> tuple[UpdateState, None]:
         epoch_key, epoch_index = epoch_input
         permutation = jax.random.permutation(epoch_key, num_sequences)
         minibatches = cut_minibatches(batch, permutation, num_minibatches)  # (M, L, S / M, ...)
         first_step = (cycle * num_epochs + epoch_index) * num_minibatches
         gradient_steps = first_step + jnp.arange(num_minibatches)
 
-        def one_minibatch(carry, minibatch_input):
+        def one_minibatch(state, minibatch_input):
             minibatch, gradient_step = minibatch_input  # nominal: the steps --target-kl skips count too
             learning_rate, clip_eps = lr_schedule(gradient_step), clip_schedule(gradient_step)
-            return minibatch_update(carry, minibatch, learning_rate, clip_eps, network, optimizer, args, axis_name), None
+            return minibatch_update(state, minibatch, learning_rate, clip_eps, network, optimizer, args, axis_name), None
 
-        return jax.lax.scan(one_minibatch, carry, (minibatches, gradient_steps))[0], None
+        return jax.lax.scan(one_minibatch, state, (minibatches, gradient_steps))[0], None
 
     metric_sums = {name: jnp.float32(0.0) for name in MINIBATCH_METRIC_NAMES}
-    step_sizes = {"charts/learning_rate": jnp.float32(jnp.nan), "charts/clip_eps": jnp.float32(jnp.nan)}
-    carry = UpdateCarry(params, opt_state, jnp.bool_(False), non_finite, metric_sums, jnp.float32(0.0), step_sizes)
-    carry, _ = jax.lax.scan(epoch, carry, (jax.random.split(key, num_epochs), jnp.arange(num_epochs)))
-    metrics = {name: total / jnp.maximum(carry.num_applied, 1.0) for name, total in carry.metric_sums.items()}
-    metrics["losses/epochs_run"] = carry.num_applied / num_minibatches
-    metrics.update(carry.step_sizes)
-    return carry.params, carry.opt_state, metrics, carry.non_finite
+    lr_and_clip = {"charts/learning_rate": jnp.float32(jnp.nan), "charts/clip_eps": jnp.float32(jnp.nan)}
+    state = UpdateState(params, opt_state, jnp.bool_(False), non_finite, metric_sums, jnp.float32(0.0), lr_and_clip)
+    state, _ = jax.lax.scan(epoch, state, (jax.random.split(key, num_epochs), jnp.arange(num_epochs)))
+    metrics = {name: total / jnp.maximum(state.num_applied, 1.0) for name, total in state.metric_sums.items()}
+    metrics["losses/epochs_run"] = state.num_applied / num_minibatches
+    metrics.update(state.lr_and_clip)
+    return state.params, state.opt_state, metrics, state.non_finite
 
 
 def explained_variance(prediction: jax.Array, target: jax.Array, axis_name: str | None = None) -> jax.Array:
@@ -928,16 +928,16 @@ def train_cycle(
         optimizer = make_optimizer(args)
     key, reset_key, rollout_key, update_key = jax.random.split(state.key, 4)
     reset_key, rollout_key, update_key = (devices.per_device(k, axis_name) for k in (reset_key, rollout_key, update_key))
-    env_carry = state.env
+    rollout_state = state.env
     if args.reset_envs_each_cycle:
-        env_carry = reset_envs(reset_key, env, env_params, env_carry.obs.shape[0], args)
-    first_carry = env_carry.lstm_carry  # (N, C) before the first step's reset
+        rollout_state = reset_envs(reset_key, env, env_params, rollout_state.obs.shape[0], args)
+    first_carry = rollout_state.lstm_carry  # (N, C) before the first step's reset
 
-    env_carry, transitions, finished = collect_rollout(
-        state.params, env_carry, rollout_key, network, env, env_params, args.num_env_steps_per_cycle,
+    rollout_state, transitions, finished = collect_rollout(
+        state.params, rollout_state, rollout_key, network, env, env_params, args.num_env_steps_per_cycle,
         uses_action_mask(args, env), store_carries=args.lstm_training == "stored", info_names=info_names,
     )
-    reward_stats, env_carry, reward = normalize_rewards(state.reward_stats, env_carry, transitions, args.gamma, axis_name)
+    reward_stats, rollout_state, reward = normalize_rewards(state.reward_stats, rollout_state, transitions, args.gamma, axis_name)
 
     batch, next_value = batch_from_rollout(state.params, first_carry, transitions, network, args)
     num_steps, num_envs = transitions.action.shape
@@ -956,39 +956,41 @@ def train_cycle(
         metrics[name] = devices.nanmean_or_nan(values, axis_name)
     metrics.update(envs.craftax_score(metrics))  # env/score, from the env/achievement_* rates (Craftax only)
     metrics["losses/explained_variance"] = explained_variance(batch.value, batch.target, axis_name)
-    new_state = nan_guard.guard_non_finite(state, params, opt_state, non_finite)._replace(env=env_carry, key=key, cycle=state.cycle + 1)
+    new_state = nan_guard.guard_non_finite(state, params, opt_state, non_finite)._replace(env=rollout_state, key=key, cycle=state.cycle + 1)
     return new_state._replace(reward_stats=reward_stats), metrics
 
 
 # --- evaluation (--eval-every-cycles, --capture-video): the policy's step; evaluation.py plays it -
 def eval_step(
-    params: Any, carry: evaluation.EvalCarry, network: ActorCritic, env: Any, env_params: Any, args: Args
-) -> evaluation.EvalCarry:
+    params: Any, eval_state: evaluation.EvalState, network: ActorCritic, env: Any, env_params: Any, args: Args
+) -> evaluation.EvalState:
     """One step of every eval env. The policy is called as in collect_rollout (the only call of
     the evaluation), with the LSTM carry reset where an episode starts and invalid actions masked
     the same way; --eval-greedy takes the argmax of the masked logits, else a sample (Gumbel-max,
     as in training)."""
-    env_carry = carry.env
-    key, action_key, env_key = jax.random.split(carry.key, 3)
-    lstm_carries, logits, _ = network.apply(params, env_carry.lstm_carry, env_carry.obs[None], env_carry.episode_start[None],
-                                            with_time_axis(env_carry.prev_action_reward))
+    rollout_state = eval_state.env
+    key, action_key, env_key = jax.random.split(eval_state.key, 3)
+    lstm_carries, logits, _ = network.apply(
+        params, rollout_state.lstm_carry, rollout_state.obs[None], rollout_state.episode_start[None],
+        add_time_axis(rollout_state.prev_action_reward),
+    )
     logits = logits[0]
     mask_actions = uses_action_mask(args, env)
-    action_mask = jax.vmap(env.action_mask, in_axes=(0, None))(env_carry.env_state, env_params) if mask_actions else None
+    action_mask = jax.vmap(env.action_mask, in_axes=(0, None))(rollout_state.env_state, env_params) if mask_actions else None
     noise = 0.0 if args.eval_greedy else jax.random.gumbel(action_key, logits.shape)
     action = jnp.argmax(masked(logits, action_mask) + noise, axis=-1)
     env_keys = jax.random.split(env_key, action.shape[0])
-    stepped = envs.step_envs(env, env_keys, env_carry.env_state, action, env_params)
+    stepped = envs.step_envs(env, env_keys, rollout_state.env_state, action, env_params)
     next_frame, env_state, reward, terminated, truncated, _ = stepped
     done = jnp.logical_or(terminated, truncated)
-    running = ~carry.finished
-    episode_return = env_carry.episode_return + jnp.where(running, reward.astype(jnp.float32), 0.0)
-    env_carry = env_carry._replace(  # the carry reset itself happens in the next forward pass, from episode_start
-        env_state=env_state, obs=push_frame(env_carry.obs, next_frame, done), episode_start=done,
-        lstm_carry=lstm_carries[0], episode_return=episode_return, episode_length=env_carry.episode_length + running,
-        prev_action_reward=next_prev_action_reward(env_carry.prev_action_reward, action, reward, done),
+    running = ~eval_state.finished
+    episode_return = rollout_state.episode_return + jnp.where(running, reward.astype(jnp.float32), 0.0)
+    rollout_state = rollout_state._replace(  # the carry reset itself happens in the next forward pass, from episode_start
+        env_state=env_state, obs=push_frame(rollout_state.obs, next_frame, done), episode_start=done,
+        lstm_carry=lstm_carries[0], episode_return=episode_return, episode_length=rollout_state.episode_length + running,
+        prev_action_reward=next_prev_action_reward(rollout_state.prev_action_reward, action, reward, done),
     )
-    return evaluation.EvalCarry(env_carry, carry.finished | done, key, carry.num_steps + 1)
+    return evaluation.EvalState(rollout_state, eval_state.finished | done, key, eval_state.num_steps + 1)
 
 
 def make_evaluation(network: ActorCritic, env: Any, env_params: Any, args: Args) -> evaluation.Policy:
@@ -997,7 +999,7 @@ def make_evaluation(network: ActorCritic, env: Any, env_params: Any, args: Args)
     an observation (the newest frame of the stack)."""
     channels = env.observation_space(env_params).shape[-1]  # of one frame
     return evaluation.Policy(
-        step=lambda state, carry: eval_step(state.params, carry, network, env, env_params, args),
+        step=lambda state, eval_state: eval_step(state.params, eval_state, network, env, env_params, args),
         reset=lambda key, num_envs: reset_envs(key, env, env_params, num_envs, args),
         frame=lambda obs: obs[..., -channels:],
     )
@@ -1015,10 +1017,10 @@ def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | 
     def init_one(key: jax.Array) -> TrainState:
         key, params_key, env_key = jax.random.split(key, 3)
         params = init_params(network, params_key, args, stacked_obs_shape(env, env_params, args.frame_stack))
-        env_carry = reset_envs(env_key, env, env_params, args.num_parallel_envs, args)
+        rollout_state = reset_envs(env_key, env, env_params, args.num_parallel_envs, args)
         zero = jnp.int32(0)
         stats = normalization_stats(args, env, env_params)  # reward_stats: None where --norm-reward is off
-        return TrainState(params, optimizer.init(params), env_carry, key, cycle=zero, non_finite=zero, non_finite_cycle=zero, **stats)
+        return TrainState(params, optimizer.init(params), rollout_state, key, cycle=zero, non_finite=zero, non_finite_cycle=zero, **stats)
 
     init = lambda seed: init_one(jax.random.key(seed))  # noqa: E731  init(seed) -> TrainState
 
@@ -1035,8 +1037,8 @@ def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | 
         Returns the states and every cycle's metrics, (max_cycles, seeds) per name (max_cycles:
         num_cycles by default), NaN after the last cycle run."""
 
-        def cycle_body(index, carry):
-            states, metrics = carry
+        def cycle_body(index, loop):
+            states, metrics = loop
             states, cycle_metrics = one_cycle(states)
             return states, {name: metrics[name].at[index].set(cycle_metrics[name]) for name in metric_names}
 

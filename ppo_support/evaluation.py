@@ -25,9 +25,10 @@ DEFAULT_MAX_STEPS = 10_000  # episode cap of the evaluation for envs whose param
 VIDEO_MAX_FRAMES = 1_000  # a video shows at most this many steps of its episode
 
 
-class EvalCarry(NamedTuple):
-    """What the evaluation's steps carry. In `env` (the script's EnvCarry), episode_return and
-    episode_length are those of each env's first episode, frozen once it has ended."""
+class EvalState(NamedTuple):
+    """The evaluation's state from step to step. In `env` (the script's RolloutState),
+    episode_return and episode_length are those of each env's first episode, frozen once it has
+    ended."""
 
     env: Any
     finished: jax.Array  # (N,) bool: the env's first episode has ended
@@ -38,8 +39,8 @@ class EvalCarry(NamedTuple):
 class Policy(NamedTuple):
     """A script's policy, as evaluation plays it."""
 
-    step: Callable  # (state of one seed, EvalCarry) -> EvalCarry: the script's eval_step
-    reset: Callable  # (key, num_envs) -> the script's EnvCarry of fresh episodes
+    step: Callable  # (state of one seed, EvalState) -> EvalState: the script's eval_step
+    reset: Callable  # (key, num_envs) -> the script's RolloutState of fresh episodes
     frame: Callable  # one env's observation -> the frame a video shows of it
 
 
@@ -57,17 +58,17 @@ def max_eval_steps(env_params: Any) -> int:
     return int(getattr(env_params, "max_steps_in_episode", DEFAULT_MAX_STEPS))
 
 
-def start_evaluation(key: jax.Array, policy: Policy, num_envs: int) -> EvalCarry:
+def start_evaluation(key: jax.Array, policy: Policy, num_envs: int) -> EvalState:
     reset_key, key = jax.random.split(key)
-    return EvalCarry(policy.reset(reset_key, num_envs), jnp.zeros((num_envs,), bool), key, jnp.int32(0))
+    return EvalState(policy.reset(reset_key, num_envs), jnp.zeros((num_envs,), bool), key, jnp.int32(0))
 
 
-def play_first_episodes(policy: Policy, state: Any, carry: EvalCarry, max_steps: int) -> EvalCarry:
+def play_first_episodes(policy: Policy, state: Any, eval_state: EvalState, max_steps: int) -> EvalState:
     """Steps every env until each has finished its first episode, or for max_steps steps."""
     return jax.lax.while_loop(
-        lambda carry: ~jnp.all(carry.finished) & (carry.num_steps < max_steps),
-        lambda carry: policy.step(state, carry),
-        carry,
+        lambda eval_state: ~jnp.all(eval_state.finished) & (eval_state.num_steps < max_steps),
+        lambda eval_state: policy.step(state, eval_state),
+        eval_state,
     )
 
 
@@ -76,31 +77,31 @@ def evaluate_policy(policy: Policy, state: Any, key: jax.Array, args: Any, env_p
     or max_eval_steps. Returns eval/episodic_return and eval/episodic_length: their means over the
     finished episodes (NaN when none finished)."""
     start = start_evaluation(key, policy, args.eval_episodes)
-    carry = play_first_episodes(policy, state, start, max_eval_steps(env_params))
-    finished_only = lambda x: jnp.where(carry.finished, x.astype(jnp.float32), jnp.nan)  # noqa: E731
+    eval_state = play_first_episodes(policy, state, start, max_eval_steps(env_params))
+    finished_only = lambda x: jnp.where(eval_state.finished, x.astype(jnp.float32), jnp.nan)  # noqa: E731
     return {
-        "eval/episodic_return": devices.nanmean_or_nan(finished_only(carry.env.episode_return)),
-        "eval/episodic_length": devices.nanmean_or_nan(finished_only(carry.env.episode_length)),
+        "eval/episodic_return": devices.nanmean_or_nan(finished_only(eval_state.env.episode_return)),
+        "eval/episodic_length": devices.nanmean_or_nan(finished_only(eval_state.env.episode_length)),
     }
 
 
-def record_video_episode(policy: Policy, state: Any, carry: EvalCarry):
-    """The episode of the first env of `carry`, step by step as evaluate_policy plays it, until it
-    ends or for VIDEO_MAX_FRAMES steps: (VIDEO_MAX_FRAMES, ...) arrays of the env state before
+def record_video_episode(policy: Policy, state: Any, eval_state: EvalState):
+    """The episode of the first env of `eval_state`, step by step as evaluate_policy plays it,
+    until it ends or for VIDEO_MAX_FRAMES steps: (VIDEO_MAX_FRAMES, ...) arrays of the env state before
     each step, the frame shown and whether the episode has ended (zeros after its end)."""
-    first_env = lambda carry: (  # noqa: E731
-        jax.tree.map(lambda x: x[0], envs.without_sticky_actions(carry.env.env_state)), policy.frame(carry.env.obs[0])
+    first_env = lambda eval_state: (  # noqa: E731
+        jax.tree.map(lambda x: x[0], envs.without_sticky_actions(eval_state.env.env_state)), policy.frame(eval_state.env.obs[0])
     )
-    buffers = jax.tree.map(lambda x: jnp.zeros((VIDEO_MAX_FRAMES, *x.shape), x.dtype), (*first_env(carry), carry.finished[0]))
+    buffers = jax.tree.map(lambda x: jnp.zeros((VIDEO_MAX_FRAMES, *x.shape), x.dtype), (*first_env(eval_state), eval_state.finished[0]))
 
-    def step(loop: tuple[EvalCarry, Any]) -> tuple[EvalCarry, Any]:
-        carry, buffers = loop
-        new_carry = policy.step(state, carry)
-        recorded = (*first_env(carry), new_carry.finished[0])
-        return new_carry, jax.tree.map(lambda buffer, x: buffer.at[carry.num_steps].set(x), buffers, recorded)
+    def step(loop: tuple[EvalState, Any]) -> tuple[EvalState, Any]:
+        eval_state, buffers = loop
+        new_eval_state = policy.step(state, eval_state)
+        recorded = (*first_env(eval_state), new_eval_state.finished[0])
+        return new_eval_state, jax.tree.map(lambda buffer, x: buffer.at[eval_state.num_steps].set(x), buffers, recorded)
 
     running = lambda loop: ~loop[0].finished[0] & (loop[0].num_steps < VIDEO_MAX_FRAMES)  # noqa: E731
-    return jax.lax.while_loop(running, step, (carry, buffers))[1]
+    return jax.lax.while_loop(running, step, (eval_state, buffers))[1]
 
 
 def record_video(policy: Policy, states: Any, args: Any):

@@ -350,8 +350,8 @@ def test_env_metrics_average_over_the_episodes_that_ended_only():
     @jax.jit
     def rollout(key):
         params = ppo_mlp.init_params(network, key, args, (1,))
-        env_carry = ppo_mlp.reset_envs(key, env, None, num_envs=2)
-        return ppo_mlp.collect_rollout(params, env_carry, key, network, env, None, 7, False, ("step",))
+        rollout_state = ppo_mlp.reset_envs(key, env, None, num_envs=2)
+        return ppo_mlp.collect_rollout(params, rollout_state, key, network, env, None, 7, False, ("step",))
 
     finished = rollout(jax.random.key(0))[2]  # two episodes end per env in 7 steps, at steps 3 and 6
     assert set(finished) == {"charts/episodic_return", "charts/episodic_length", "env/step"}

@@ -74,23 +74,23 @@ def test_reward_scaling_matches_gym_s_normalize_reward_over_several_cycles(name)
     num_steps, num_envs, gamma, num_cycles = 7, 3, 0.9, 4
     rng = np.random.default_rng(0)
     stats = module.running_mean_std(())
-    env_carry = module.EnvCarry(**dict.fromkeys(module.EnvCarry._fields))._replace(discounted_return=jnp.zeros(num_envs))
+    rollout_state = module.RolloutState(**dict.fromkeys(module.RolloutState._fields))._replace(discounted_return=jnp.zeros(num_envs))
     reference = NumpyNormalizeReward(num_envs, gamma)
     scale = jax.jit(lambda stats, carry, transitions: module.normalize_rewards(stats, carry, transitions, gamma, None))
     for _ in range(num_cycles):  # the accumulator and the statistics carry over between cycles
         reward = rng.normal(2.0, 3.0, (num_steps, num_envs))
         terminated = rng.random((num_steps, num_envs)) < 0.15
         truncated = ~terminated & (rng.random((num_steps, num_envs)) < 0.1)
-        stats, env_carry, scaled = scale(stats, env_carry, reward_transitions(module, reward, terminated, truncated))
+        stats, rollout_state, scaled = scale(stats, rollout_state, reward_transitions(module, reward, terminated, truncated))
         expected = np.stack([reference.step(reward[t], terminated[t] | truncated[t]) for t in range(num_steps)])
         np.testing.assert_allclose(scaled, expected, rtol=2e-5)
-        np.testing.assert_allclose(env_carry.discounted_return, reference.returns, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(rollout_state.discounted_return, reference.returns, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(stats.var, reference.return_rms.var, rtol=1e-5)
         np.testing.assert_allclose(stats.count, reference.return_rms.count, rtol=1e-6)
     # off: the raw rewards, and nothing changes
     transitions = reward_transitions(module, reward, terminated, truncated)
-    off_stats, off_carry, raw = module.normalize_rewards(None, env_carry, transitions, gamma, None)
-    assert off_stats is None and off_carry is env_carry
+    off_stats, off_carry, raw = module.normalize_rewards(None, rollout_state, transitions, gamma, None)
+    assert off_stats is None and off_carry is rollout_state
     np.testing.assert_array_equal(raw, np.float32(reward))
 
 
@@ -159,7 +159,7 @@ reward = jax.random.normal(jax.random.key(1), (5, 8))
 done = jax.random.uniform(jax.random.key(2), (5, 8)) < 0.2
 fields = dict.fromkeys(m.Transition._fields)
 transitions = m.Transition(**{**fields, "reward": reward, "terminated": done, "truncated": jnp.zeros_like(done)})
-carry = m.EnvCarry(**dict.fromkeys(m.EnvCarry._fields))._replace(discounted_return=jnp.arange(8.0))
+carry = m.RolloutState(**dict.fromkeys(m.RolloutState._fields))._replace(discounted_return=jnp.arange(8.0))
 
 def both(axis_name):
     def f(obs, transitions, carry):

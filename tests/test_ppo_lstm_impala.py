@@ -219,8 +219,8 @@ def test_prev_action_reward_is_the_last_steps_and_zero_where_an_episode_starts()
     env, env_params = envs.make_env(args.env_id)
     network = ppo.make_network(args, 2)
     params = ppo.init_params(network, jax.random.key(0), args, ppo.stacked_obs_shape(env, env_params, 1))
-    env_carry = ppo.reset_envs(jax.random.key(1), env, env_params, 4, args)
-    _, transitions, _ = ppo.collect_rollout(params, env_carry, jax.random.key(2), network, env, env_params, 20, False, False)
+    rollout_state = ppo.reset_envs(jax.random.key(1), env, env_params, 4, args)
+    _, transitions, _ = ppo.collect_rollout(params, rollout_state, jax.random.key(2), network, env, env_params, 20, False, False)
     prev = np.asarray(transitions.prev_action_reward)  # (T, N, 3)
     action, reward = np.asarray(transitions.action), np.asarray(transitions.reward)
     start = np.asarray(transitions.episode_start)
@@ -360,8 +360,8 @@ def test_rollout_frame_stack_and_final_obs_at_episode_boundaries(tmp_path):
     network = ppo.make_network(args, 2)
     obs_shape = ppo.stacked_obs_shape(env, env_params, args.frame_stack)
     params = ppo.init_params(network, jax.random.key(0), args, obs_shape)
-    env_carry = ppo.reset_envs(jax.random.key(1), env, env_params, args.num_parallel_envs, args)
-    _, transitions, _ = ppo.collect_rollout(params, env_carry, jax.random.key(2), network, env, env_params, 14, False, True)
+    rollout_state = ppo.reset_envs(jax.random.key(1), env, env_params, args.num_parallel_envs, args)
+    _, transitions, _ = ppo.collect_rollout(params, rollout_state, jax.random.key(2), network, env, env_params, 14, False, True)
     obs, final_obs, start = (np.asarray(x) for x in (transitions.obs, transitions.final_obs, transitions.episode_start))
     done = np.asarray(transitions.terminated | transitions.truncated)
     assert done.any() and start[1:].any()  # Memory episodes last 6 steps
@@ -389,11 +389,11 @@ def test_invalid_actions_are_never_taken_when_the_env_masks_them(tmp_path):
     assert ppo.uses_action_mask(args, env) and not ppo.uses_action_mask(tiny_args(tmp_path, mask_invalid_actions=False), env)
     network = ppo.make_network(args, 3)
     params = ppo.init_params(network, jax.random.key(0), args, (3, 3, 1))
-    env_carry = ppo.reset_envs(jax.random.key(1), env, env_params, args.num_parallel_envs, args)
-    _, transitions, _ = ppo.collect_rollout(params, env_carry, jax.random.key(2), network, env, env_params, 12, True, False)
+    rollout_state = ppo.reset_envs(jax.random.key(1), env, env_params, args.num_parallel_envs, args)
+    _, transitions, _ = ppo.collect_rollout(params, rollout_state, jax.random.key(2), network, env, env_params, 12, True, False)
     assert transitions.action_mask.shape == (12, args.num_parallel_envs, 3)
     assert np.all(np.asarray(transitions.action) != 0) and np.any(np.asarray(transitions.action) == 2)
-    batch, _ = ppo.batch_from_rollout(params, env_carry.lstm_carry, transitions, network, args)
+    batch, _ = ppo.batch_from_rollout(params, rollout_state.lstm_carry, transitions, network, args)
     logp = batch.logp
     assert np.all(np.isfinite(logp)) and np.all(np.asarray(logp) > np.log(0.4))  # 2 valid actions, ~1/2 each
 
@@ -406,20 +406,20 @@ def test_next_value_uses_pre_reset_carry(tmp_path, lstm_training):
     env, env_params = envs.make_env(args.env_id)
     network = ppo.make_network(args, 2)
     params = ppo.init_params(network, jax.random.key(0), args, (3, 3, 1))
-    env_carry = ppo.reset_envs(jax.random.key(1), env, env_params, args.num_parallel_envs, args)
+    rollout_state = ppo.reset_envs(jax.random.key(1), env, env_params, args.num_parallel_envs, args)
     _, transitions, _ = ppo.collect_rollout(
-        params, env_carry, jax.random.key(2), network, env, env_params, 12, False, lstm_training == "stored"
+        params, rollout_state, jax.random.key(2), network, env, env_params, 12, False, lstm_training == "stored"
     )
     # The observation is constant, so values differ only through the carry.
     obs = jax.random.uniform(jax.random.key(3), transitions.obs.shape)
     final_obs = jax.random.uniform(jax.random.key(4), transitions.final_obs.shape)
     transitions = transitions._replace(obs=obs, final_obs=final_obs)
     if lstm_training == "stored":  # re-store the carries for the new observations
-        carries, _, _ = network.apply(params, env_carry.lstm_carry, obs, transitions.episode_start)
-        before = jnp.concatenate([env_carry.lstm_carry[None], carries[:-1]])
+        carries, _, _ = network.apply(params, rollout_state.lstm_carry, obs, transitions.episode_start)
+        before = jnp.concatenate([rollout_state.lstm_carry[None], carries[:-1]])
         stored = jnp.where(transitions.episode_start[..., None], 0.0, before)
         transitions = transitions._replace(carry=stored)
-    _, next_value = ppo.batch_from_rollout(params, env_carry.lstm_carry, transitions, network, args)
+    _, next_value = ppo.batch_from_rollout(params, rollout_state.lstm_carry, transitions, network, args)
 
     truncated = np.asarray(transitions.truncated)
     start = np.asarray(transitions.episode_start)

@@ -109,8 +109,8 @@ def make_train(config):
     def train(key):
         _, state = env.reset(key, params)
 
-        def step(carry, _):
-            state, episode_return = carry
+        def step(loop, _):
+            state, episode_return = loop
             _, state, reward, done, info = env.step(key, state, 0, params)
             return (state, jnp.where(done, 0.0, episode_return + reward)), (done, episode_return + reward)
 

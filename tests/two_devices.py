@@ -114,13 +114,13 @@ def cycle_on_two_devices(module, args, env, env_params, start, rollout):
     outputs of the 1-device cycle's collect_rollout: the envs split along the env axis (axis 0
     of the env carry, axis 1 of the (T, N) transitions and finished episodes), in device order,
     as shard_map splits the states' envs. Everything after the rollout runs as the script has it."""
-    env_carry, transitions, finished = rollout
+    rollout_state, transitions, finished = rollout
 
     def this_devices_share(*unused, **unused_keywords):
         share = args.num_parallel_envs // jax.lax.axis_size(AXIS)
         first = jax.lax.axis_index(AXIS) * share
         take = lambda axis: lambda x: jax.lax.dynamic_slice_in_dim(jnp.asarray(x), first, share, axis)  # noqa: E731
-        return jax.tree.map(take(0), env_carry), jax.tree.map(take(1), transitions), jax.tree.map(take(1), finished)
+        return jax.tree.map(take(0), rollout_state), jax.tree.map(take(1), transitions), jax.tree.map(take(1), finished)
 
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setattr(module, "collect_rollout", this_devices_share)
@@ -154,8 +154,8 @@ def rollout(module, args, out: str) -> None:
     monkeypatch = pytest.MonkeyPatch()
     original = module.collect_rollout
 
-    def recording(params, env_carry, key, *rest, **kwargs):
-        result = original(params, env_carry, key, *rest, **kwargs)
+    def recording(params, rollout_state, key, *rest, **kwargs):
+        result = original(params, rollout_state, key, *rest, **kwargs)
         device = jax.lax.axis_index(AXIS)
         jax.debug.callback(lambda *values: records.append(values), device, jax.random.key_data(key), result[1].action)
         return result
