@@ -104,6 +104,7 @@ class Args:
     # stored during the rollout (no gradient through time, more memory)
     lstm_training: Literal["bptt", "stored"] = "bptt"
     separate_critic: bool = False  # the critic gets its own torso and LSTM, instead of sharing the actor's
+    head_hidden_sizes: tuple[int, ...] = ()  # ReLU layers in the actor's and the critic's head (PureJaxRL's ppo_rnn.py: 128); (): linear heads
     lstm_forget_bias: float | None = None  # added to the LSTM forget gate's initial bias; None: 1.0 (Jozefowicz et al. 2015) where there is an LSTM; 0: CleanRL's
     prev_action_reward: bool = False  # the LSTM also gets the previous action (one-hot) and raw reward; zeros at an episode start
     frame_stack: int = 1  # stack the last K observations along the channel axis
@@ -423,6 +424,16 @@ class Core(nn.Module):
         return carries, features
 
 
+def head(num_outputs: int, gain: float, hidden_sizes: tuple[int, ...], orthogonal_init: bool) -> nn.Module:
+    """A head on the LSTM's output: one dense layer (CleanRL's, IMPALA's), or with --head-hidden-sizes
+    ReLU layers before it (PureJaxRL's ppo_rnn.py). The LSTM's output lies in [-1, 1], and a linear
+    value head on it learns large returns slowly (docs/experiments.md, the CartPole gap)."""
+    if not hidden_sizes:
+        return dense(num_outputs, gain, orthogonal_init)
+    hidden = [layer for width in hidden_sizes for layer in (dense(width, HIDDEN_GAIN, orthogonal_init), nn.relu)]
+    return nn.Sequential([*hidden, dense(num_outputs, gain, orthogonal_init)])
+
+
 class ActorCritic(nn.Module):
     """A shared torso (IMPALA, Nature or MLP: --torso) and LSTM with actor and critic heads, or a
     separate torso and LSTM for the critic (37 details: 13)."""
@@ -436,14 +447,15 @@ class ActorCritic(nn.Module):
     lstm_size: int
     orthogonal_init: bool
     separate_critic: bool
+    head_hidden_sizes: tuple[int, ...] = ()
 
     def setup(self):
         core = lambda: Core(self.torso, self.impala_channels, self.torso_size, self.hidden_sizes, self.activation,  # noqa: E731
                             self.lstm_size, self.orthogonal_init)
         self.actor_core = core()
         self.critic_core = core() if self.separate_critic else self.actor_core
-        self.actor_head = dense(self.num_actions, ACTOR_HEAD_GAIN, self.orthogonal_init)
-        self.critic_head = dense(1, CRITIC_HEAD_GAIN, self.orthogonal_init)
+        self.actor_head = head(self.num_actions, ACTOR_HEAD_GAIN, self.head_hidden_sizes, self.orthogonal_init)
+        self.critic_head = head(1, CRITIC_HEAD_GAIN, self.head_hidden_sizes, self.orthogonal_init)
 
     def __call__(self, carry: jax.Array, obs: jax.Array, episode_start: jax.Array, prev_action_reward: jax.Array | None = None):
         """carry (B, carry_size) before the first step's reset, obs (T, B, *obs_shape),
@@ -477,7 +489,7 @@ def log_prob_and_entropy(logits: jax.Array, action: jax.Array) -> tuple[jax.Arra
 def make_network(args: Args, num_actions: int) -> ActorCritic:
     return ActorCritic(
         num_actions, args.torso, tuple(args.impala_channels), args.torso_size, tuple(args.hidden_sizes), args.activation,
-        args.lstm_size, args.orthogonal_init, args.separate_critic,
+        args.lstm_size, args.orthogonal_init, args.separate_critic, tuple(args.head_hidden_sizes),
     )
 
 
@@ -1064,6 +1076,8 @@ def validate_args(args: Args) -> None:
         raise cli.ConfigError(f"--impala-channels must be one or more positive integers, got {args.impala_channels}")
     if not args.hidden_sizes or min(args.hidden_sizes) <= 0:
         raise cli.ConfigError(f"--hidden-sizes must be one or more positive integers, got {args.hidden_sizes}")
+    if args.head_hidden_sizes and min(args.head_hidden_sizes) <= 0:
+        raise cli.ConfigError(f"--head-hidden-sizes must be positive integers (none: linear heads), got {args.head_hidden_sizes}")
     if args.lstm_size < 0:
         raise cli.ConfigError(f"--lstm-size must be >= 0 (0: no LSTM), got {args.lstm_size}")
     if args.prev_action_reward and args.lstm_size == 0:
