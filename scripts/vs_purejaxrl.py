@@ -15,9 +15,9 @@ Every measurement is its own process, ours and theirs in turn, best of --repeats
 - PureJaxRL: `jax.jit(jax.vmap(make_train(config)))` on N keys, as its README runs several seeds,
   with its own CartPole config (ours are the same numbers) and DEBUG off, timed after compilation.
 
---rnn does the same with ppo_rnn.py (a dense 128 embedding, a GRU of 128; same CartPole numbers)
-against `ppo_lstm_impala.py --torso mlp` with a dense 128 embedding and an LSTM of 128
-(OURS_ON_PPO_RNN_CONFIG).
+--rnn does the same with ppo_rnn.py (a dense 128 embedding, a GRU of 128, ReLU heads of 128; same
+CartPole numbers) against `ppo_lstm_impala.py --torso mlp` with a dense 128 embedding, an LSTM of
+128 and ReLU heads of 128, `--head-hidden-sizes 128` (OURS_ON_PPO_RNN_CONFIG).
 
 --compiled-loops compares the compiled training programs alone, in one process: ours is the
 program ppo_mlp.py's run compiles (its make_train loop, as ppo_support's segments wrap it) in one
@@ -62,14 +62,14 @@ PUREJAXRL_CARTPOLE = {
 }
 PUREJAXRL_SEED = 30  # its __main__'s PRNGKey
 # --rnn: ppo_rnn.py's __main__ config has the same numbers (a dense 128 ReLU embedding, a GRU of
-# 128, ReLU heads of 128). ppo_lstm_impala.py on it: the same embedding, an LSTM of 128, every PPO
-# setting its own defaults would change set to ppo_rnn.py's, and linear heads (ours have no hidden layer).
+# 128, ReLU heads of 128). ppo_lstm_impala.py on it: the same embedding, an LSTM of 128, the same
+# heads, and every PPO setting its own defaults would change set to ppo_rnn.py's.
 PPO_RNN_WIDTH = 128
 OURS_ON_PPO_RNN_CONFIG = [
     "--env-id", "CartPole-v1", "--torso", "mlp", "--hidden-sizes", "128", "--activation", "relu", "--lstm-size", "128",
     "--num-parallel-envs", "4", "--num-env-steps-per-cycle", "128", "--num-epochs-per-cycle", "4",
     "--num-minibatches-per-epoch", "4", "--lr", "2.5e-4", "--gamma", "0.99", "--gae-lambda", "0.95", "--clip-eps", "0.2",
-    "--ent-coef", "0.01", "--vf-coef", "0.5", "--max-grad-norm", "0.5",
+    "--ent-coef", "0.01", "--vf-coef", "0.5", "--max-grad-norm", "0.5", "--head-hidden-sizes", str(PPO_RNN_WIDTH),
 ]
 
 

@@ -115,6 +115,7 @@ ONLY = {
         (["--env-id", "CartPole-v1", "--torso", "impala"], "--torso"),  # vector observations need --torso mlp (or auto)
         (["--hidden-sizes", "64", "0"], "--hidden-sizes"),  # --torso mlp's widths
         (["--activation", "sigmoid"], "--activation"),
+        (["--head-hidden-sizes", "128", "0"], "--head-hidden-sizes"),
         (["--lstm-size", "0", "--prev-action-reward"], "--prev-action-reward"),  # no LSTM to feed
         (["--lstm-size", "0", "--lstm-forget-bias", "1"], "--lstm-forget-bias"),  # no forget gate
         (["--norm-obs"], "--norm-obs"),  # ppo_mlp.py's flag: image observations are not normalised

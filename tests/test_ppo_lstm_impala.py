@@ -165,6 +165,41 @@ def test_orthogonal_init_gains_and_zero_biases():
     np.testing.assert_allclose(critic_head.T @ critic_head, np.eye(1), atol=1e-5)
 
 
+@pytest.mark.parametrize("separate_critic", [False, True])
+def test_head_hidden_sizes_put_relu_layers_in_both_heads_and_none_keeps_them_linear(separate_critic):
+    """--head-hidden-sizes 16 8: each head is dense 16, ReLU, dense 8, ReLU, then its output layer,
+    checked against a NumPy forward pass of the LSTM's output through the head's own kernels; the
+    hidden layers have orthogonal columns of gain sqrt(2), the output layers keep 0.01 and 1. The
+    default () is one dense layer per head, on the same LSTM output."""
+    obs_shape = (3, 3, 2)
+    obs = jax.random.uniform(jax.random.key(1), (4, 2, *obs_shape))
+    starts = jnp.zeros((4, 2), bool)
+    _, linear_network, linear_params = make_network_and_params(obs_shape, separate_critic=separate_critic)
+    args, network, params = make_network_and_params(obs_shape, separate_critic=separate_critic, head_hidden_sizes=(16, 8))
+    carry = jnp.zeros((2, args.carry_size))
+    linear = flax.traverse_util.flatten_dict(linear_params["params"])
+    assert {path[1:] for path in linear if path[0] == "actor_head"} == {("kernel",), ("bias",)}
+
+    _, logits, value = network.apply(params, carry, obs, starts)
+    tree = params["params"]
+    for name, core, output, gain in [("actor_head", "actor_core", logits, 0.01), ("critic_head", "critic_core", value[..., None], 1.0)]:
+        layers = [tree[name][f"layers_{index}"] for index in (0, 2, 4)]
+        assert [layer["kernel"].shape for layer in layers] == [(32, 16), (16, 8), (8, output.shape[-1])]
+        for layer in layers[:2]:
+            kernel = np.asarray(layer["kernel"])  # orthogonal columns: kernel^T kernel = 2 I
+            np.testing.assert_allclose(kernel.T @ kernel, 2.0 * np.eye(kernel.shape[1]), atol=1e-5)
+        last = np.asarray(layers[2]["kernel"])
+        np.testing.assert_allclose(last.T @ last, gain**2 * np.eye(last.shape[1]), atol=1e-5)
+        core = core if separate_critic else "actor_core"
+        _, features = ppo.Core(args.torso, args.impala_channels, args.torso_size, args.hidden_sizes, args.activation,
+                               args.lstm_size, args.orthogonal_init).apply({"params": tree[core]}, carry[:, :64], obs, starts)
+        x = np.asarray(features, np.float64)
+        for layer in layers[:2]:
+            x = np.maximum(x @ np.asarray(layer["kernel"]) + np.asarray(layer["bias"]), 0.0)
+        expected = x @ last + np.asarray(layers[2]["bias"])
+        np.testing.assert_allclose(np.asarray(output), expected, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("forget_bias, added", [(None, 1.0), (1.0, 1.0), (2.5, 2.5)])
 def test_lstm_forget_bias_is_in_the_params_training_starts_from(forget_bias, added):
     """--lstm-forget-bias (1.0 by default): the initial TrainState (make_train's init) has it in
