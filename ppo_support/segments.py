@@ -140,8 +140,8 @@ class Dispatched(NamedTuple):
 class Pace:
     """How many cycles the next segment runs: about SEGMENT_SECONDS at the rate agreed so far (the
     slowest process's), growing at most 4-fold from one segment to the next, the first one cycle,
-    and shorter towards the end (next_cycles). Every process paces from the same agreed values,
-    so they all cut the same segments."""
+    and shorter towards the end (next_cycles). With --distributed every process paces from the
+    same agreed values, so they all cut the same segments."""
 
     def __init__(self, max_cycles: int):
         self.max_cycles = max_cycles
@@ -215,7 +215,9 @@ def run(
     in_flight: collections.deque[Dispatched] = collections.deque()
     cycle, stop, measured = start_cycle, 0, 0.0
     last_ready = time.perf_counter()
-    while True:
+
+    def dispatch_ahead() -> None:
+        nonlocal states, cycle
         while not stop and cycle < num_cycles and len(in_flight) <= pace.segments_ahead():
             end = cycle + pace.next_cycles(num_cycles - cycle)
             end = next((c for c in range(cycle + 1, end) if must_end(c)), end)
@@ -223,6 +225,9 @@ def run(
             outputs = program(states, np.int32(end - cycle), report)
             in_flight.append(Dispatched(outputs, cycle, end, time.perf_counter()))
             states, cycle = outputs[0], end
+
+    while True:
+        dispatch_ahead()
         if not in_flight:
             return states, stop
         segment = in_flight.popleft()
@@ -230,12 +235,14 @@ def run(
         wait_until_ready(agreed)
         ready = time.perf_counter()
         agreed = HostReport(*local_copy(agreed).tolist())  # the same values in every process
-        pace.record(agreed.seconds_per_cycle)
         stop = stop or int(agreed.stop_signal)
         if stop:  # it ran no cycle, nor will any dispatched after it
             continue
         ran = segment.last_cycle - segment.first_cycle
         measured = (ready - max(last_ready, segment.dispatch_time)) / ran
         last_ready = ready
+        # --distributed: every process paces from the agreed rate; one process from its own, a segment sooner
+        pace.record(measured if jax.process_count() == 1 else agreed.seconds_per_cycle)
+        dispatch_ahead()  # the device's next segment before the host's work on this one, its rows' copy included
         rows = {name: values[:ran] for name, values in local_copy(metrics).items()}
         after_segment(Segment(segment.first_cycle, segment.last_cycle, segment_states, rows, ready))

@@ -116,10 +116,24 @@ def test_the_host_loop_covers_every_cycle_once_ends_on_every_cycle_it_must_and_s
     states, stop = segments.run(program, Counter(jnp.zeros(1, jnp.int32)), 0, num_cycles, must_end, max_cycles, None,
                                 requests, after_segment)
     assert stop == 15 and int(states.cycle[0]) == seen[-1].last_cycle < num_cycles
-    assert len(seen) in (3, 4)  # the segment dispatched before the request, if there was one, still ran
+    # The segments dispatched before the request still ran: the one computing and the one queued
+    # behind it (the next is dispatched before the host's work on the third).
+    assert len(seen) == 5
     first_stopped = next(index for index, (_, ran, _) in enumerate(program.calls) if ran == 0)
     assert all(ran == 0 for _, ran, _ in program.calls[first_stopped:])
     assert [agreed[0] for _, _, agreed in program.calls[first_stopped:]] == [15.0] * (len(program.calls) - first_stopped)
+
+
+def test_one_process_paces_from_its_own_rate_and_queues_the_next_segment_before_the_host_work(monkeypatch):
+    """Once the first segment is read, one process knows the rate: the second is already 4 cycles
+    (not 1, waiting a segment for the agreed rate), and the segment behind it is dispatched
+    before after_segment runs, so the device never waits for the host's work."""
+    monkeypatch.setattr(segments, "SEGMENT_SECONDS", 1e9)
+    program, calls_before_host_work = FakeProgram(8), []
+    segments.run(program, Counter(jnp.zeros(1, jnp.int32)), 0, 40, lambda cycle: False, 8, None, segments.StopRequests(),
+                 lambda segment: calls_before_host_work.append(len(program.calls)))
+    assert [ran for _, ran, _ in program.calls][:4] == [1, 4, 4, 8]
+    assert calls_before_host_work[:3] == [3, 4, 5]
 
 
 def test_segments_shorten_towards_the_end_so_that_the_rows_left_to_write_after_training_are_few():
