@@ -435,27 +435,19 @@ def head(num_outputs: int, gain: float, hidden_sizes: tuple[int, ...], orthogona
 
 
 class ActorCritic(nn.Module):
-    """A shared torso (IMPALA, Nature or MLP: --torso) and LSTM with actor and critic heads, or a
-    separate torso and LSTM for the critic (37 details: 13)."""
+    """A core (Core: the torso and the LSTM) with actor and critic heads; with --separate-critic the
+    critic has a core of its own, a copy of the actor's (37 details: 13)."""
 
     num_actions: int
-    torso: str
-    impala_channels: tuple[int, ...]
-    torso_size: int
-    hidden_sizes: tuple[int, ...]
-    activation: str
-    lstm_size: int
-    orthogonal_init: bool
+    core: Core  # unbound: the settings of the actor's core and the critic's
     separate_critic: bool
     head_hidden_sizes: tuple[int, ...] = ()
 
     def setup(self):
-        core = lambda: Core(self.torso, self.impala_channels, self.torso_size, self.hidden_sizes, self.activation,  # noqa: E731
-                            self.lstm_size, self.orthogonal_init)
-        self.actor_core = core()
-        self.critic_core = core() if self.separate_critic else self.actor_core
-        self.actor_head = head(self.num_actions, ACTOR_HEAD_GAIN, self.head_hidden_sizes, self.orthogonal_init)
-        self.critic_head = head(1, CRITIC_HEAD_GAIN, self.head_hidden_sizes, self.orthogonal_init)
+        self.actor_core = self.core.clone()
+        self.critic_core = self.core.clone() if self.separate_critic else self.actor_core
+        self.actor_head = head(self.num_actions, ACTOR_HEAD_GAIN, self.head_hidden_sizes, self.core.orthogonal_init)
+        self.critic_head = head(1, CRITIC_HEAD_GAIN, self.head_hidden_sizes, self.core.orthogonal_init)
 
     def __call__(self, carry: jax.Array, obs: jax.Array, episode_start: jax.Array, prev_action_reward: jax.Array | None = None):
         """carry (B, carry_size) before the first step's reset, obs (T, B, *obs_shape),
@@ -487,10 +479,9 @@ def log_prob_and_entropy(logits: jax.Array, action: jax.Array) -> tuple[jax.Arra
 
 
 def make_network(args: Args, num_actions: int) -> ActorCritic:
-    return ActorCritic(
-        num_actions, args.torso, tuple(args.impala_channels), args.torso_size, tuple(args.hidden_sizes), args.activation,
-        args.lstm_size, args.orthogonal_init, args.separate_critic, tuple(args.head_hidden_sizes),
-    )
+    core = Core(args.torso, tuple(args.impala_channels), args.torso_size, tuple(args.hidden_sizes), args.activation,
+                args.lstm_size, args.orthogonal_init)
+    return ActorCritic(num_actions, core, args.separate_critic, tuple(args.head_hidden_sizes))
 
 
 def init_params(network: ActorCritic, key: jax.Array, args: Args, obs_shape: tuple[int, ...]) -> Any:
