@@ -1057,12 +1057,7 @@ def validate_args(args: Args) -> None:
     """Every check on the arguments, before anything is compiled or written: the flags both
     scripts have (cli.check_common_args), then this script's own."""
     cli.check_common_args(args, more_positive_ints=("torso_size", "frame_stack"))
-    if args.lstm_training == "bptt" and args.num_parallel_envs % args.num_minibatches_per_epoch != 0:
-        raise cli.ConfigError(
-            f"--lstm-training bptt cuts minibatches of whole env sequences, so --num-parallel-envs "
-            f"{args.num_parallel_envs} must be divisible by --num-minibatches-per-epoch "
-            f"{args.num_minibatches_per_epoch}"
-        )
+    devices.check_minibatches(args, sequence_length=args.sequence_length)  # bptt: of whole env sequences
     if not args.impala_channels or min(args.impala_channels) <= 0:
         raise cli.ConfigError(f"--impala-channels must be one or more positive integers, got {args.impala_channels}")
     if not args.hidden_sizes or min(args.hidden_sizes) <= 0:

@@ -40,11 +40,7 @@ def check_common_args(args: Any, more_positive_ints: tuple[str, ...] = ()) -> No
         raise ConfigError(f"--num-devices must be >= 0 (0 = every device), got {args.num_devices}")
     if args.seed < 0:
         raise ConfigError(f"--seed must be >= 0, got {args.seed}")
-    if args.batch_size % args.num_minibatches_per_epoch != 0:
-        raise ConfigError(
-            f"--num-minibatches-per-epoch {args.num_minibatches_per_epoch} does not divide the "
-            f"batch of --num-parallel-envs x --num-env-steps-per-cycle = {args.batch_size}"
-        )
+    devices.check_minibatches(args)
     if args.num_cycles == 0:
         raise ConfigError(
             f"--num-total-env-steps {args.num_total_env_steps} is smaller than one cycle "

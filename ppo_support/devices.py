@@ -237,6 +237,20 @@ def raise_if_a_process_was_lost(error: Exception) -> None:
 LOST_PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "Connection refused", "Socket closed")
 
 
+def check_minibatches(args: Any, num_devices: int = 1, sequence_length: int = 1) -> None:
+    """--num-minibatches-per-epoch divides what each device cuts its minibatches from: its share of
+    the batch's transitions (sequence_length 1), or of its whole env sequences (ppo_lstm_impala.py's
+    bptt, sequence_length = --num-env-steps-per-cycle)."""
+    share = args.batch_size // num_devices // sequence_length
+    if share % args.num_minibatches_per_epoch == 0:
+        return
+    envs = "--num-parallel-envs" if num_devices == 1 else "--num-parallel-envs / --num-devices"
+    whose = "the batch's" if num_devices == 1 else "each device's"
+    what = (f"{share} transitions ({envs} x --num-env-steps-per-cycle)" if sequence_length == 1
+            else f"{share} whole env sequences ({envs}: --lstm-training bptt cuts minibatches of whole sequences)")
+    raise ConfigError(f"--num-minibatches-per-epoch {args.num_minibatches_per_epoch} does not divide {whose} {what}")
+
+
 def make_mesh(args: Any, sequence_length: int = 1) -> jax.sharding.Mesh | None:
     """The devices the envs are split across; None for one device (no shard_map at all). Each
     device cuts its own minibatches from its share of the batch: from its transitions
@@ -256,11 +270,7 @@ def make_mesh(args: Any, sequence_length: int = 1) -> jax.sharding.Mesh | None:
         )
     if args.num_parallel_envs % num_devices != 0:
         raise ConfigError(f"--num-parallel-envs {args.num_parallel_envs} does not split evenly across {num_devices} devices (--num-devices)")
-    sequences = args.batch_size // num_devices // sequence_length  # each device's share, cut into minibatches
-    if sequences % args.num_minibatches_per_epoch != 0:
-        share = (f"batch of {sequences} transitions (--num-parallel-envs / --num-devices x --num-env-steps-per-cycle)"
-                 if sequence_length == 1 else f"{sequences} whole env sequences (--num-parallel-envs / --num-devices)")
-        raise ConfigError(f"--num-minibatches-per-epoch {args.num_minibatches_per_epoch} does not divide each device's {share}")
+    check_minibatches(args, num_devices, sequence_length)
     if num_devices == 1:
         return None
     return jax.make_mesh((num_devices,), (DEVICE_AXIS,), devices=devices[:num_devices])
