@@ -156,19 +156,14 @@ class MetricsLogger:
         what is left at the rate since training started."""
         mean = self.seed_means(row)
         episodic_return = mean["charts/episodic_return"]
-        elapsed = now - self.start_time
-        cycles_done = cycle - self.start_cycle
-        eta = elapsed / cycles_done * (self.args.num_cycles - cycle) if cycles_done > 0 else None
-        print(
-            f"cycle {cycle}/{self.args.num_cycles} | env steps {cycle * self.args.batch_size:,} | SPS {sps:,.0f} | "
+        middle = (
             f"return {'-' if episodic_return is None else f'{episodic_return:.2f}'} | "
             f"policy loss {fmt(mean['losses/policy_loss'])} | value loss {fmt(mean['losses/value_loss'])} | "
             f"entropy {fmt(mean['losses/entropy'])} | approxkl3 {fmt(mean['losses/actor_approxkl3'])}"
             + "".join(f" | {name} {fmt(mean[name])}" for name in envs.console_env_metrics(self.metric_names))
             + (f" | eval return {fmt(mean['eval/episodic_return'])}" if mean.get("eval/episodic_return") is not None else "")
-            + f" | elapsed {clock(elapsed)} | ETA {'-' if eta is None else clock(eta)}",
-            flush=True,
         )
+        print(console_line(middle, cycle, sps, self.args, now - self.start_time, self.start_cycle), flush=True)
 
     def wandb_logs(self, row: list[list[float]], env_steps: int, sps: float) -> list[dict[str, float]]:
         """What each wandb run logs of one row (seeds, metrics), finite values only. Per seed
@@ -218,6 +213,15 @@ class MetricsLogger:
         except OSError:
             if self.error is None:  # else: the rows that failed to write, already reported
                 raise
+
+
+def console_line(middle: str, cycle: int, sps: float, args: Any, elapsed: float, start_cycle: int) -> str:
+    """The console line of a run and of a sweep: progress, `middle`, the time so far and what is
+    left at the rate since training started (at start_cycle)."""
+    cycles_done = cycle - start_cycle
+    eta = elapsed / cycles_done * (args.num_cycles - cycle) if cycles_done > 0 else None
+    return (f"cycle {cycle}/{args.num_cycles} | env steps {cycle * args.batch_size:,} | SPS {sps:,.0f} | {middle} | "
+            f"elapsed {clock(elapsed)} | ETA {'-' if eta is None else clock(eta)}")
 
 
 def fmt(value: float | None) -> str:

@@ -196,7 +196,8 @@ class PointLoggers:
             for index, point in enumerate(grid.points)
         ]
         self.last_print = 0.0
-        self.last_time = self.last_cycle = 0
+        self.start_time = self.last_time = 0.0
+        self.start_cycle = self.last_cycle = 0
 
     @property
     def error(self) -> Any:
@@ -205,7 +206,8 @@ class PointLoggers:
     def start(self, cycle: int, wandb_runs: list[list[Any]]) -> None:
         for logger, point_wandb_runs in zip(self.loggers, wandb_runs or [[] for _ in self.loggers]):
             logger.start(cycle, point_wandb_runs)
-        self.last_time, self.last_cycle = time.perf_counter(), cycle
+        self.start_time = self.last_time = time.perf_counter()
+        self.start_cycle = self.last_cycle = cycle
 
     def __call__(self, cycles: list[int], values: Any, now: float | None = None) -> None:
         now = time.perf_counter() if now is None else float(now)
@@ -218,7 +220,7 @@ class PointLoggers:
             self.print_line(cycles[-1], np.asarray(values, np.float64)[-1], now)
 
     def print_line(self, cycle: int, row: np.ndarray, now: float) -> None:
-        """Progress, and each point's return (mean over its seeds), named by its values."""
+        """The console line with each point's return (mean over its seeds), named by its values."""
         steps = (cycle - self.last_cycle) * self.args.batch_size * row.shape[-1]
         sps = steps / max(now - self.last_time, 1e-9)
         self.last_print, self.last_time, self.last_cycle = now, now, cycle
@@ -228,8 +230,8 @@ class PointLoggers:
             else f"{point_label(point)}: -"
             for point, point_returns in zip(self.grid.points, returns)
         )
-        print(f"cycle {cycle}/{self.args.num_cycles} | env steps {cycle * self.args.batch_size:,} | SPS {sps:,.0f} | "
-              f"return by point: {by_point}", flush=True)
+        print(logs.console_line(f"return by point: {by_point}", cycle, sps, self.args, now - self.start_time, self.start_cycle),
+              flush=True)
 
     def log_video(self, path: Path, cycle: int) -> None:  # videos show point 0's first seed
         self.loggers[0].log_video(path, cycle)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -102,6 +103,8 @@ def test_a_point_of_a_sweep_trains_as_its_flags_do_alone(tmp_path, script):
     # the console names each point by its values, as its rows' "sweep" tags do
     done_line = result.stdout.strip().splitlines()[-1]
     assert "return by point: lr=0.001,clip-eps=0.15," in result.stdout and "| lr=0.003,clip-eps=0.3," in done_line
+    last_cycle_line = [line for line in result.stdout.splitlines() if line.startswith("cycle ")][-1]
+    assert "| return by point: lr=0.001," in last_cycle_line and re.search(r"\| elapsed \d+:\d\d:\d\d \| ETA 0:00:00$", last_cycle_line)
     assert done_line.startswith("done: ") and done_line.endswith(f"| run dir: {sweep_dir}")
     summary = json.loads((sweep_dir / "summary.json").read_text())
     assert [point["sweep"]["lr"] for point in summary["points"]] == [1e-3, 1e-3, 3e-3, 3e-3]
