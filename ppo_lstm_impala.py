@@ -920,6 +920,12 @@ METRIC_NAMES = ("charts/episodic_return", "charts/episodic_length", "charts/lear
                 *MINIBATCH_METRIC_NAMES, "losses/explained_variance", "losses/epochs_run")
 
 
+def run_metric_names(env: Any, env_params: Any) -> tuple[str, ...]:
+    """Everything a run logs per cycle, in the order of the metrics rows: METRIC_NAMES, then
+    the env's own metrics."""
+    return METRIC_NAMES + envs.env_metric_names(envs.env_info_names(env, env_params))
+
+
 def train_cycle(
     state: TrainState, network: ActorCritic, optimizer: optax.GradientTransformation, env: Any, env_params: Any,
     args: Args, axis_name: str | None = None, info_names: tuple[str, ...] = (),
@@ -1014,7 +1020,7 @@ def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | 
     network = make_network(args, env.action_space(env_params).n)
     optimizer = make_optimizer(args)
     info_names = envs.env_info_names(env, env_params)  # the env's own episode metrics, logged as env/<name>
-    metric_names = METRIC_NAMES + envs.env_metric_names(info_names)
+    metric_names = run_metric_names(env, env_params)
 
     @jax.jit
     def init_one(key: jax.Array) -> TrainState:
@@ -1099,12 +1105,6 @@ def check_observations(args: Args, env: Any, env_params: Any) -> None:
             f"--torso nature needs images of at least {SMALL_NATURE_MIN_SIDE}x{SMALL_NATURE_MIN_SIDE} px; --env-id "
             f"{args.env_id} has observations of shape {obs_shape} (use --torso impala)"
         )
-
-
-def run_metric_names(env: Any, env_params: Any) -> tuple[str, ...]:
-    """Everything a run logs per cycle, in the order of the metrics rows: METRIC_NAMES, then
-    the env's own metrics."""
-    return METRIC_NAMES + envs.env_metric_names(envs.env_info_names(env, env_params))
 
 
 def run(args: Args) -> dict[str, Any]:

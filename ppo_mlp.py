@@ -579,6 +579,12 @@ METRIC_NAMES = ("charts/episodic_return", "charts/episodic_length", "charts/lear
                 *MINIBATCH_METRIC_NAMES, "losses/explained_variance", "losses/epochs_run")
 
 
+def run_metric_names(env: Any, env_params: Any) -> tuple[str, ...]:
+    """Everything a run logs per cycle, in the order of the metrics rows: METRIC_NAMES, then
+    the env's own metrics."""
+    return METRIC_NAMES + envs.env_metric_names(envs.env_info_names(env, env_params))
+
+
 def train_cycle(
     state: TrainState, network: ActorCritic, optimizer: optax.GradientTransformation, env: Any, env_params: Any,
     args: Args, axis_name: str | None = None, info_names: tuple[str, ...] = (),
@@ -673,7 +679,7 @@ def make_train(args: Args, env: Any, env_params: Any, mesh: jax.sharding.Mesh | 
     network = make_network(args, env.action_space(env_params).n)
     optimizer = make_optimizer(args)
     info_names = envs.env_info_names(env, env_params)  # the env's own episode metrics, logged as env/<name>
-    metric_names = METRIC_NAMES + envs.env_metric_names(info_names)
+    metric_names = run_metric_names(env, env_params)
 
     @jax.jit
     def init_one(key: jax.Array) -> TrainState:
@@ -718,12 +724,6 @@ def validate_args(args: Args) -> None:
     cli.check_common_args(args)
     if not args.hidden_sizes or min(args.hidden_sizes) <= 0:
         raise cli.ConfigError(f"--hidden-sizes must be one or more positive integers, got {args.hidden_sizes}")
-
-
-def run_metric_names(env: Any, env_params: Any) -> tuple[str, ...]:
-    """Everything a run logs per cycle, in the order of the metrics rows: METRIC_NAMES, then
-    the env's own metrics."""
-    return METRIC_NAMES + envs.env_metric_names(envs.env_info_names(env, env_params))
 
 
 OBS_STATS_FILE = "obs_stats.msgpack"  # a --norm-obs run's final observation statistics
