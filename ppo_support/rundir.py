@@ -262,7 +262,7 @@ def prepare_resume(args: Any, metric_names: tuple[str, ...], folders: list[str] 
         if field.name not in RESUMABLE_FIELDS and getattr(args, field.name) != getattr(saved, field.name):
             raise ConfigError(
                 f"--resume {run_dir}: {flag(field.name)} is {getattr(args, field.name)!r} here but "
-                f"{getattr(saved, field.name)!r} in the run; only logging flags may change"
+                f"{getattr(saved, field.name)!r} in the run; only flags that leave training as it was may change (rundir.RESUMABLE_FIELDS)"
             )
     if (run_dir / "summary.json").exists():
         raise ConfigError(f"--resume {run_dir}: that run already finished")
