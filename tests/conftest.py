@@ -1,16 +1,17 @@
-"""Puts the repo root (the scripts and ppo_support) and this folder (probe_envs) on the import path."""
+"""Puts the repo root (the scripts and ppo_support) and tests/support (the helpers, the reference
+code and probe_envs) on the import path."""
 
 import os
 import sys
 from pathlib import Path
 
-TESTS = Path(__file__).resolve().parent
-ROOT = TESTS.parent
-for path in (str(ROOT), str(TESTS)):
+SUPPORT = Path(__file__).resolve().parent / "support"
+ROOT = SUPPORT.parent.parent
+for path in (str(ROOT), str(SUPPORT)):
     if path not in sys.path:
         sys.path.insert(0, path)
 # Subprocess runs of the scripts find probe_envs and ppo_support the same way.
-os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), str(ROOT), os.environ.get("PYTHONPATH")]))
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SUPPORT), str(ROOT), os.environ.get("PYTHONPATH")]))
 
 # Every test of this session, in this process and in the processes it starts, shares one JAX
 # compilation cache (helpers.py): what one test compiled, the next one loads. Before JAX is imported.

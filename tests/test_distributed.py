@@ -3,7 +3,7 @@ device each, joined by jax.distributed (gloo collectives), train as one 2-device
 
 Each test runs a script three ways: in one process on 2 simulated devices (the reference), in two
 processes until one of them is killed with SIGKILL after the first checkpoint, and in two
-processes resumed from that checkpoint, stopped by Ctrl-C sent to one of them, and resumed again. Each process runs under tests/audit_writes.py, which
+processes resumed from that checkpoint, stopped by Ctrl-C sent to one of them, and resumed again. Each process runs under tests/support/audit_writes.py, which
 reports every write under the test's folder."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def start_processes(script: str, flags: list[str], audited: Path) -> list[subpro
     address = f"127.0.0.1:{free_port()}"
     return [
         subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "audit_writes.py"), str(ROOT / script), *flags, "--distributed",
+            [sys.executable, str(ROOT / "tests" / "support" / "audit_writes.py"), str(ROOT / script), *flags, "--distributed",
              "--num-devices", "0", "--coordinator-address", address, "--num-processes", "2", "--process-id", str(index)],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
         )

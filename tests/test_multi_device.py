@@ -134,7 +134,7 @@ def test_lstm_envs_that_do_not_split_into_whole_sequences_per_device_are_refused
 
 
 # One update_cycle on one device and on two, in one process with 2 simulated devices: see
-# tests/two_devices.py. The ppo_lstm_impala.py configs are its three networks, and its MLP torso.
+# tests/support/two_devices.py. The ppo_lstm_impala.py configs are its three networks, and its MLP torso.
 UPDATE_CASES = [("ppo_mlp", "cartpole"), ("ppo_lstm_impala", "bptt"), ("ppo_lstm_impala", "stored"), ("ppo_lstm_impala", "feed-forward"),
                 ("ppo_lstm_impala", "mlp-torso")]
 # The cases whose process also runs a whole cycle on both (two_devices.py update --cycle): their
@@ -148,14 +148,14 @@ CYCLE_CASES = {("ppo_mlp", "cartpole"): ("obs_stats", {EV}), ("ppo_lstm_impala",
 
 
 def two_devices_update(tmp_path_factory, script: str, config: str):
-    """tests/two_devices.py update's results for a case, computed once per test session: the
+    """tests/support/two_devices.py update's results for a case, computed once per test session: the
     update and the cycle tests read the same process's results."""
     folder = shared_folder(tmp_path_factory)
     out = folder / f"two-devices-update-{script}-{config}.npz"
     with exclusive(folder / f"{out.name}.lock"):
         if not out.exists():
             cycle = ["--cycle"] if (script, config) in CYCLE_CASES else []
-            result = run_script("tests/two_devices.py", "update", script, config, str(out.with_suffix(".part.npz")), *cycle,
+            result = run_script("tests/support/two_devices.py", "update", script, config, str(out.with_suffix(".part.npz")), *cycle,
                                 timeout=600, env=TWO_CPU_DEVICES)
             assert result.returncode == 0, result.stderr[-3000:]
             out.with_suffix(".part.npz").rename(out)
@@ -219,7 +219,7 @@ def test_the_two_devices_halves_of_a_rollout_draw_different_random_numbers(tmp_p
     # Every env of the Clock probe resets to the same observation, so devices that drew the same
     # sampling noise would take the same actions.
     out = tmp_path / "rollout.npz"
-    result = run_script("tests/two_devices.py", "rollout", script, config, str(out), timeout=600, env=TWO_CPU_DEVICES)
+    result = run_script("tests/support/two_devices.py", "rollout", script, config, str(out), timeout=600, env=TWO_CPU_DEVICES)
     assert result.returncode == 0, result.stderr[-3000:]
     keys_and_actions = np.load(out)
     assert sorted(keys_and_actions.files) == ["action0", "action1", "key0", "key1"]

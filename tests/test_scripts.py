@@ -199,7 +199,7 @@ def test_bench_sweep_times_the_sweep_in_one_process_against_a_process_per_point(
 
 
 def test_the_guard_fails_a_tool_that_takes_the_device_itself(tmp_path):
-    """tests/no_backend.py, which the tool tests run under, can fail."""
+    """tests/support/no_backend.py, which the tool tests run under, can fail."""
     tool = tmp_path / "greedy_tool.py"
     tool.write_text("import jax\nprint('importing JAX is fine')\njax.devices()\nprint('never printed')\n")
     result = run_tool(str(tool))

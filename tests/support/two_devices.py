@@ -1,12 +1,12 @@
 """Run by tests/test_multi_device.py in a process that has 2 simulated CPU devices (XLA_FLAGS),
 so that it can compare one device with two inside one program:
 
-    python tests/two_devices.py update SCRIPT CONFIG OUT.npz [--cycle]
+    python tests/support/two_devices.py update SCRIPT CONFIG OUT.npz [--cycle]
         one update_cycle on the same global batch (a real rollout's, recorded from a 1-device
         train_cycle), on one device and split across two; writes both results. With --cycle
         also that whole 1-device cycle and one on two devices, each handed its half of the
         recorded rollout (cycle_on_two_devices): their new states and every metric
-    python tests/two_devices.py rollout SCRIPT CONFIG OUT.npz
+    python tests/support/two_devices.py rollout SCRIPT CONFIG OUT.npz
         one train_cycle on 2 devices; writes each device's rollout key and actions
 
 CONFIG names an entry of CONFIGS. Both sides use XLA's convolution (under shard_map

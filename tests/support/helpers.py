@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # The suite spends most of its time compiling small programs, and LLVM at -O1 compiles them about
 # 20% faster than XLA's default -O2 and trains as fast (docs/testing.md). conftest.py sets it for
 # every test and the processes they start; a test compares runs made under the same flags, so bits
@@ -79,9 +79,9 @@ def run_script(
 
 
 def run_tool(tool: str, *arguments: str, timeout: float = 600, cwd: str | Path = ROOT) -> subprocess.CompletedProcess:
-    """run_script of a tool in scripts/ that starts runs, under tests/no_backend.py: it fails (exit
+    """run_script of a tool in scripts/ that starts runs, under tests/support/no_backend.py: it fails (exit
     code 3) if its own process starts a JAX backend, which on a TPU would keep its runs off the chip."""
-    return run_script("tests/no_backend.py", str(ROOT / tool), *arguments, timeout=timeout, cwd=cwd)
+    return run_script("tests/support/no_backend.py", str(ROOT / tool), *arguments, timeout=timeout, cwd=cwd)
 
 
 # --- runs of the scripts, stopped by signals ---------------------------------------------------

@@ -1,4 +1,4 @@
-"""Runs a tool as `python tests/no_backend.py TOOL ARGS...` would run `python TOOL ARGS...`, and
+"""Runs a tool as `python tests/support/no_backend.py TOOL ARGS...` would run `python TOOL ARGS...`, and
 fails it (exit code 3, one line on stderr) the moment its own process starts a JAX backend. On a
 TPU only one process may hold the chip, so a tool whose runs are processes of their own must never
 take it itself. The processes it starts are not watched."""

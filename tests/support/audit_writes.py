@@ -1,4 +1,4 @@
-"""Runs a script as `python tests/audit_writes.py SCRIPT ARGS...` would run `python SCRIPT ARGS...`,
+"""Runs a script as `python tests/support/audit_writes.py SCRIPT ARGS...` would run `python SCRIPT ARGS...`,
 with an audit hook that prints `WRITE <event> <path>` on stderr for every file or folder it
 creates, opens for writing, renames or deletes under the folder $AUDIT_DIR. test_distributed.py
 uses it to check that only process 0 writes the run dir."""
