@@ -13,7 +13,6 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import PartitionSpec as P
 
-from . import rundir
 from .errors import ConfigError
 
 DEVICE_AXIS = "devices"  # the shard_map axis that splits the parallel envs across devices
@@ -183,12 +182,18 @@ def check_same_on_every_process(value: int, what: str) -> None:
         raise ConfigError(f"{what} differs between processes ({values}, by process): every process must see the same files")
 
 
+def key_data_or_array(leaf: jax.Array) -> jax.Array:
+    """A PRNG key array as its raw data, any other array as it is: what a checkpoint holds and what
+    a gather across processes takes."""
+    return jax.random.key_data(leaf) if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf
+
+
 def fetch(tree: Any) -> Any:
     """The arrays of a tree in this process's memory, where np.asarray can read them: with
     --distributed, every process gathers the shards of every other (PRNG keys as their key data)."""
     if jax.process_count() == 1:
         return tree
-    return multihost_utils.process_allgather(jax.tree.map(rundir.key_data_or_array, tree), tiled=True)
+    return multihost_utils.process_allgather(jax.tree.map(key_data_or_array, tree), tiled=True)
 
 
 def start_distributed(args: Any) -> None:

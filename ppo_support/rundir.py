@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import provenance
+from . import devices, provenance
 from .errors import ConfigError, WriteError, flag
 
 # Args that may differ when a run is resumed: they change what is logged, not what is trained.
@@ -120,11 +120,6 @@ def default_run_dir(args: Any) -> Path:
 
 
 # --- checkpoints ------------------------------------------------------------------------------
-
-
-def key_data_or_array(leaf: jax.Array) -> jax.Array:
-    """Checkpoints take no PRNG keys: their raw data instead."""
-    return jax.random.key_data(leaf) if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key) else leaf
 
 
 def checksum(arrays: dict[str, np.ndarray]) -> str:
@@ -229,7 +224,7 @@ class Checkpointer:
         leaves = []
         for index, like in enumerate(template_leaves):
             data = arrays.get(f"leaf_{index}")
-            if data is None or data.shape != key_data_or_array(like).shape:
+            if data is None or data.shape != devices.key_data_or_array(like).shape:
                 raise ConfigError(f"--resume: {path} does not match this script's training state")
             if jnp.issubdtype(like.dtype, jax.dtypes.prng_key):
                 leaves.append(jax.random.wrap_key_data(data, impl=jax.random.key_impl(like)))

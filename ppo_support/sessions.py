@@ -212,7 +212,7 @@ class Session:
         if self.grid is None and np.any(segments.local_copy(states.non_finite) > 0):
             return
         cycle = int(segments.local_copy(states.cycle)[0])
-        self.host.submit(self.checkpointer, cycle, devices.fetch(jax.tree.map(rundir.key_data_or_array, states)))
+        self.host.submit(self.checkpointer, cycle, devices.fetch(jax.tree.map(devices.key_data_or_array, states)))
 
     def start_writing(self) -> None:
         """Once compiled: the first writes to the run dir, the wandb runs, and the metrics logger."""
@@ -285,7 +285,7 @@ class Session:
         """A run stopped by a signal at `cycle`: its checkpoint (unless a seed has failed: the last
         good one stays), the mark that it is unfinished, and Interrupted with the --resume command."""
         if self.grid is not None or not np.any(np.asarray(states.non_finite) > 0):
-            self.checkpointer(cycle, jax.tree.map(rundir.key_data_or_array, states))
+            self.checkpointer(cycle, jax.tree.map(devices.key_data_or_array, states))
         signal_name = segments.signal_name(self.stop_signal)
         command = f"python {provenance.script_path(self.args).name} --resume {self.path}"
         if self.writes:

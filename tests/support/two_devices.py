@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 import ppo_lstm_impala
 import ppo_mlp
-from ppo_support import cpu, devices, envs, rundir
+from ppo_support import cpu, devices, envs
 
 AXIS = devices.DEVICE_AXIS
 # One minibatch per epoch, two epochs: each device's minibatch is its half of the batch, so two
@@ -101,7 +101,7 @@ def cycles(module, args, env, env_params, start, cycle_on_one, rollout, batch) -
     cycle_on_two = cycle_on_two_devices(module, args, env, env_params, start, rollout)
     for name, (states, metrics) in {"cycle_one": cycle_on_one, "cycle_two": cycle_on_two}.items():
         for path, leaf in jax.tree.leaves_with_path(states):
-            results[f"{name}/state{jax.tree_util.keystr(path)}"] = np.asarray(rundir.key_data_or_array(leaf))
+            results[f"{name}/state{jax.tree_util.keystr(path)}"] = np.asarray(devices.key_data_or_array(leaf))
         for metric, value in metrics.items():
             results[f"{name}/{metric}"] = np.asarray(value)
     results["run_metric_names"] = np.array(module.run_metric_names(env, env_params))
