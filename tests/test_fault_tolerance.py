@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 
 import ppo_mlp
-import probe_envs
 from helpers import (check_stopped_run, checkpoints, exclusive, metrics_without_timing, shared_folder, start,
                      start_and_signal, xla_flags)
 from ppo_support import errors, logs, rundir
@@ -41,17 +40,11 @@ SMALL = {
 # The NaN probe: reward NaN with probability 1/5000 per step.
 NON_FINITE = {
     "ppo_mlp.py": ["--env-id", "probe_envs:NonFiniteReward", "--num-total-env-steps", "51200"],
-    "ppo_lstm_impala.py": ["--env-id", "test_fault_tolerance:NonFiniteRewardImage", "--impala-channels", "4",
+    "ppo_lstm_impala.py": ["--env-id", "probe_envs:NonFiniteRewardImage", "--impala-channels", "4",
                            "--torso-size", "32", "--lstm-size", "32", "--num-parallel-envs", "16",
                            "--num-env-steps-per-cycle", "16", "--num-minibatches-per-epoch", "2",
                            "--num-total-env-steps", str(16 * 16 * 80)],
 }
-
-
-class NonFiniteRewardImage(probe_envs.NonFiniteReward):
-    """The NaN probe with image observations, for ppo_lstm_impala.py (loaded from this module)."""
-
-    obs_shape = (3, 3, 1)
 
 
 @pytest.fixture(scope="session")

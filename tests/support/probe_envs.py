@@ -214,34 +214,6 @@ class HiddenArm(_Probe):
         return state.time >= self.max_steps
 
 
-class ConstantRewardImage(ConstantReward):
-    obs_shape = (3, 3, 1)
-
-
-class ObsDependentRewardImage(ObsDependentReward):
-    obs_shape = (3, 3, 1)
-
-
-class ActionDependentRewardImage(ActionDependentReward):
-    obs_shape = (3, 3, 1)
-
-
-class MatchTheObservationImage(MatchTheObservation):
-    obs_shape = (3, 3, 1)
-
-
-class TimeLimitImage(TimeLimit):
-    obs_shape = (3, 3, 1)
-
-
-class ClockImage(Clock):
-    obs_shape = (3, 3, 1)
-
-
-class MaskedActionsImage(MaskedActions):
-    obs_shape = (3, 3, 1)
-
-
 class ContinuousActions(ConstantReward):
     """For the bad-input tests: a continuous action space."""
 
@@ -259,3 +231,18 @@ class NonFiniteReward(ConstantReward):
         obs, new_state, reward, terminated, info = super().step_env(key, state, action, params)
         reward = jnp.where(jax.random.uniform(key) < 2e-4, jnp.nan, reward)
         return obs, new_state, reward, terminated, info
+
+
+def with_images(probe: type) -> type:
+    """The same probe with (3, 3, 1) image observations, for ppo_lstm_impala.py's torsos."""
+    return type(f"{probe.__name__}Image", (probe,), {"obs_shape": (3, 3, 1), "__module__": __name__})
+
+
+ConstantRewardImage = with_images(ConstantReward)
+ObsDependentRewardImage = with_images(ObsDependentReward)
+ActionDependentRewardImage = with_images(ActionDependentReward)
+MatchTheObservationImage = with_images(MatchTheObservation)
+TimeLimitImage = with_images(TimeLimit)
+ClockImage = with_images(Clock)
+MaskedActionsImage = with_images(MaskedActions)
+NonFiniteRewardImage = with_images(NonFiniteReward)
