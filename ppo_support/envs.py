@@ -24,19 +24,21 @@ if TYPE_CHECKING:
     from gymnax.environments import spaces
 
 
-class DeferredSeaborn(types.ModuleType):
-    """gymnax's Pong imports seaborn (and with it scipy) for a colour palette that only its
-    renderer uses: about 1.5 s of every start of a script. This stands in for it until one of its
-    attributes is read, and then imports it."""
+class DeferredModule(types.ModuleType):
+    """Stands in for a module that gymnax imports at its start for its renderers alone, until one
+    of its attributes is read, and then imports it: seaborn (with scipy, for Pong's palette, about
+    1.5 s) and matplotlib.pyplot (bsuite's Catch and four more, about 0.5 s), at every start of a
+    script."""
 
     def __getattr__(self, name: str) -> Any:
-        if sys.modules.get("seaborn") is self:
-            del sys.modules["seaborn"]
-        return getattr(importlib.import_module("seaborn"), name)
+        if sys.modules.get(self.__name__) is self:
+            del sys.modules[self.__name__]
+        return getattr(importlib.import_module(self.__name__), name)
 
 
-if "seaborn" not in sys.modules:
-    sys.modules["seaborn"] = DeferredSeaborn("seaborn")  # before anything imports gymnax
+for _name in ("seaborn", "matplotlib.pyplot"):  # before anything imports gymnax
+    if _name not in sys.modules:
+        sys.modules[_name] = DeferredModule(_name)
 
 CRAFTAX_IDS = ("Craftax-Classic-Symbolic-v1", "Craftax-Classic-Pixels-v1", "Craftax-Symbolic-v1", "Craftax-Pixels-v1")
 XMINIGRID_PREFIXES = ("MiniGrid-", "XLand-MiniGrid-")  # every id in xminigrid.registered_environments()

@@ -485,17 +485,25 @@ def test_minigrid_memory_trains_with_ppo_lstm_impala_and_logs_success(tmp_path):
     assert all((row["env/success"] is None) == (row["charts/episodic_return"] is None) for row in rows)
 
 
-def test_gymnax_loads_seaborn_only_when_its_pong_renders():
-    """gymnax's Pong imports seaborn (and scipy) for its renderer's palette: a script's process
-    starts without loading them (envs.DeferredSeaborn), and Pong's renderer still gets seaborn's."""
+def test_gymnax_loads_seaborn_and_pyplot_only_when_a_renderer_uses_them():
+    """gymnax imports seaborn (and scipy) for Pong's palette and matplotlib.pyplot for five
+    renderers: a script's process starts without loading them (envs.DeferredModule), and the
+    renderers still get the real modules."""
     code = (
         "import sys, ppo_lstm_impala, gymnax\n"
         "from gymnax.environments.misc import pong\n"
-        "assert 'seaborn.palettes' not in sys.modules and 'scipy.stats' not in sys.modules, 'loaded at start'\n"
+        "from gymnax.environments.bsuite import catch\n"
+        "assert 'seaborn.palettes' not in sys.modules and 'scipy.stats' not in sys.modules, 'seaborn loaded at start'\n"
+        "assert 'matplotlib.figure' not in sys.modules, 'pyplot loaded at start'\n"
         "palette = pong.sns.color_palette('cubehelix', 3)\n"
         "import seaborn\n"
         "assert 'seaborn.palettes' in sys.modules and len(palette) == 3\n"
         "assert seaborn.color_palette('cubehelix', 3) == palette and type(sys.modules['seaborn']).__name__ == 'module'\n"
+        "import matplotlib\n"
+        "matplotlib.use('Agg')\n"
+        "figure, _ = catch.plt.subplots()\n"
+        "import matplotlib.pyplot as plt\n"
+        "assert type(sys.modules['matplotlib.pyplot']).__name__ == 'module' and plt.gcf() is figure\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert result.returncode == 0, result.stderr[-3000:]
