@@ -136,18 +136,21 @@ def test_ppo_loss_terms_match_reference(clip_vloss, norm_adv):
 
 @pytest.mark.parametrize("obs_shape", [(10, 10, 4), (7, 5, 2), (3, 3, 1)])
 def test_impala_output_shapes(obs_shape):
+    # shapes only (jax.eval_shape): nothing is computed
     channels = (4, 6)
     torso = ppo.ImpalaTorso(channels, 32, True)
-    params = torso.init(jax.random.key(0), jnp.zeros((2, *obs_shape)))
-    assert torso.apply(params, jnp.ones((5, *obs_shape))).shape == (5, 32)
+    params = jax.eval_shape(torso.init, jax.random.key(0), jnp.zeros((2, *obs_shape)))
+    assert jax.eval_shape(torso.apply, params, jnp.ones((5, *obs_shape))).shape == (5, 32)
     # two stride-2 SAME max-pools: ceil(ceil(H / 2) / 2) x ceil(ceil(W / 2) / 2) x last channels
     height, width = (int(np.ceil(np.ceil(size / 2) / 2)) for size in obs_shape[:2])
     dense_kernel = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(params) if "Dense" in str(path) and "kernel" in str(path)]
     assert dense_kernel[0].shape == (height * width * channels[-1], 32)
 
-    args, network, network_params = make_network_and_params(obs_shape, num_actions=5)
-    carries, logits, value = network.apply(
-        network_params, jnp.zeros((3, args.carry_size)), jnp.ones((4, 3, *obs_shape)), jnp.zeros((4, 3), bool)
+    args = ppo.Args(**TINY)
+    network = ppo.make_network(args, 5)
+    network_params = jax.eval_shape(lambda key: ppo.init_params(network, key, args, obs_shape), jax.random.key(0))
+    carries, logits, value = jax.eval_shape(
+        network.apply, network_params, jnp.zeros((3, args.carry_size)), jnp.ones((4, 3, *obs_shape)), jnp.zeros((4, 3), bool)
     )
     assert carries.shape == (4, 3, 2 * 32) and logits.shape == (4, 3, 5) and value.shape == (4, 3)
 

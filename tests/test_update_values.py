@@ -7,6 +7,8 @@ at tiny sizes: 3 cycles x 2 epochs x 4 minibatches, with a learning rate high en
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -29,7 +31,25 @@ SCRIPTS = {
 def record_updates(monkeypatch, script: str, target_kl: float | None, **flags):
     """Trains one seed with every minibatch_update call read out: the carry it started from, its
     minibatch and clip range, and the parameters, optimizer state and count of applied updates
-    it returned. Returns (module, args, calls in run order, metrics (cycles, 1), final states)."""
+    it returned. Returns (module, args, calls in run order, metrics (cycles, 1), final states).
+    Recorded once per worker process for each configuration (RECORDED): the tests read them."""
+    key = (script, target_kl, tuple(sorted(flags.items())))
+    if key not in RECORDED:
+        RECORDED[key] = record_updates_once(monkeypatch, script, target_kl, **flags)
+    return RECORDED[key]
+
+
+RECORDED: dict = {}  # (script, target_kl, flags) -> what record_updates returns
+
+
+def shared_recording(script: str, *more: Any):
+    """The parameters (script, *more) of a test that reads record_updates(script, 0.002): the
+    tests that read one recording run in one xdist worker (pyproject.toml's --dist loadgroup), so
+    that it is trained once."""
+    return pytest.param(script, *more, marks=pytest.mark.xdist_group(f"test_update_values-{script}-target-kl-0.002"))
+
+
+def record_updates_once(monkeypatch, script: str, target_kl: float | None, **flags):
     module, sizes = SCRIPTS[script]
     args = module.Args(**{**sizes, **flags}, target_kl=target_kl)
     calls = record_calls(monkeypatch, module, "minibatch_update", lambda a, out: dict(
@@ -64,8 +84,8 @@ def same_tree(a, b) -> bool:
     return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
-@pytest.mark.parametrize("target_kl", [None, 0.002])
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize(("script", "target_kl"), [*((script, None) for script in SCRIPTS),
+                                                   *(shared_recording(script, 0.002) for script in SCRIPTS)])
 def test_the_learning_rate_and_clip_range_used_follow_the_nominal_step_to_zero(monkeypatch, script, target_kl):
     # Both schedules count every nominal gradient step, the ones --target-kl skips too, and reach
     # exactly 0 at the run's last step. The learning rate is measured from the parameters each
@@ -108,7 +128,7 @@ def test_the_clip_range_anneals_with_its_own_flag_and_the_learning_rate_stays_wi
     assert metrics["charts/clip_eps"][-1, 0] == 0.0
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", [shared_recording(script) for script in SCRIPTS])
 def test_target_kl_leaves_the_parameters_of_the_last_update_it_applied(monkeypatch, script):
     # The minibatch whose approxkl3 exceeds the target is not applied, nor any after it in the
     # cycle: parameters and optimizer state come out of each skipped call exactly as they went in.
@@ -158,7 +178,7 @@ def test_target_kl_applies_a_cycles_minibatches_up_to_the_first_over_the_target_
     assert stopped_in_first_epoch_before_one_under_the_target > 0
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", [shared_recording(script) for script in SCRIPTS])
 def test_minibatch_metrics_are_the_mean_over_the_updates_applied(monkeypatch, script):
     # Each cycle's losses/* are the mean over the minibatches it applied (recomputed here from
     # each applied call's parameters and minibatch), and losses/epochs_run counts them.

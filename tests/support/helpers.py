@@ -250,6 +250,9 @@ def record_second_cycle(monkeypatch, module: Any, args: Any) -> tuple[Any, dict,
     return rollouts[1], updates[1], state, network
 
 
+JITTED: dict[str, Callable] = {}  # functions of the helpers below, jitted once per process (JAX is imported on first use)
+
+
 def learning_rate_used(params_before: Any, params_after: Any, grads: Any, opt_state: Any, max_grad_norm: float, adam_eps: float) -> float:
     """The learning rate a gradient step applied, measured from the parameters it moved: the
     step (after - before) against the direction optax's own Adam gives for `grads`, clipped by
@@ -261,8 +264,13 @@ def learning_rate_used(params_before: Any, params_after: Any, grads: Any, opt_st
 
     is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
     (adam_state,) = [x for x in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(x)]
-    clipped, _ = optax.clip_by_global_norm(max_grad_norm).update(grads, optax.EmptyState())
-    direction, _ = optax.scale_by_adam(eps=adam_eps).update(clipped, adam_state)
+    if "adam_direction" not in JITTED:  # jitted: op by op, each operation compiled once per parameter shape (seconds a test)
+        def adam_direction(grads: Any, adam_state: Any, max_grad_norm: float, adam_eps: float) -> Any:
+            clipped, _ = optax.clip_by_global_norm(max_grad_norm).update(grads, optax.EmptyState())
+            return optax.scale_by_adam(eps=adam_eps).update(clipped, adam_state)[0]
+
+        JITTED["adam_direction"] = jax.jit(adam_direction, static_argnums=(2, 3))
+    direction = JITTED["adam_direction"](grads, adam_state, max_grad_norm, adam_eps)
     flat = lambda tree: np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])  # noqa: E731
     step = flat(params_after) - flat(params_before)
     direction = flat(direction)
