@@ -7,8 +7,6 @@ at tiny sizes: 3 cycles x 2 epochs x 4 minibatches, with a learning rate high en
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,7 +30,8 @@ def record_updates(monkeypatch, script: str, target_kl: float | None, **flags):
     """Trains one seed with every minibatch_update call read out: the carry it started from, its
     minibatch and clip range, and the parameters, optimizer state and count of applied updates
     it returned. Returns (module, args, calls in run order, metrics (cycles, 1), final states).
-    Recorded once per worker process for each configuration (RECORDED): the tests read them."""
+    Recorded once per xdist worker for each configuration (RECORDED): three tests read the
+    --target-kl 0.002 run, and pytest-xdist's default --dist load hands a worker consecutive tests."""
     key = (script, target_kl, tuple(sorted(flags.items())))
     if key not in RECORDED:
         RECORDED[key] = record_updates_once(monkeypatch, script, target_kl, **flags)
@@ -40,13 +39,6 @@ def record_updates(monkeypatch, script: str, target_kl: float | None, **flags):
 
 
 RECORDED: dict = {}  # (script, target_kl, flags) -> what record_updates returns
-
-
-def shared_recording(script: str, *more: Any):
-    """The parameters (script, *more) of a test that reads record_updates(script, 0.002): the
-    tests that read one recording run in one xdist worker (pyproject.toml's --dist loadgroup), so
-    that it is trained once."""
-    return pytest.param(script, *more, marks=pytest.mark.xdist_group(f"test_update_values-{script}-target-kl-0.002"))
 
 
 def record_updates_once(monkeypatch, script: str, target_kl: float | None, **flags):
@@ -84,8 +76,8 @@ def same_tree(a, b) -> bool:
     return all(np.array_equal(x, y) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
-@pytest.mark.parametrize(("script", "target_kl"), [*((script, None) for script in SCRIPTS),
-                                                   *(shared_recording(script, 0.002) for script in SCRIPTS)])
+@pytest.mark.parametrize("target_kl", [None, 0.002])
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_the_learning_rate_and_clip_range_used_follow_the_nominal_step_to_zero(monkeypatch, script, target_kl):
     # Both schedules count every nominal gradient step, the ones --target-kl skips too, and reach
     # exactly 0 at the run's last step. The learning rate is measured from the parameters each
@@ -128,7 +120,7 @@ def test_the_clip_range_anneals_with_its_own_flag_and_the_learning_rate_stays_wi
     assert metrics["charts/clip_eps"][-1, 0] == 0.0
 
 
-@pytest.mark.parametrize("script", [shared_recording(script) for script in SCRIPTS])
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_target_kl_leaves_the_parameters_of_the_last_update_it_applied(monkeypatch, script):
     # The minibatch whose approxkl3 exceeds the target is not applied, nor any after it in the
     # cycle: parameters and optimizer state come out of each skipped call exactly as they went in.
@@ -178,7 +170,7 @@ def test_target_kl_applies_a_cycles_minibatches_up_to_the_first_over_the_target_
     assert stopped_in_first_epoch_before_one_under_the_target > 0
 
 
-@pytest.mark.parametrize("script", [shared_recording(script) for script in SCRIPTS])
+@pytest.mark.parametrize("script", SCRIPTS)
 def test_minibatch_metrics_are_the_mean_over_the_updates_applied(monkeypatch, script):
     # Each cycle's losses/* are the mean over the minibatches it applied (recomputed here from
     # each applied call's parameters and minibatch), and losses/epochs_run counts them.
