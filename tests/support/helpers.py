@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import signal
 import os
@@ -250,7 +251,19 @@ def record_second_cycle(monkeypatch, module: Any, args: Any) -> tuple[Any, dict,
     return rollouts[1], updates[1], state, network
 
 
-JITTED: dict[str, Callable] = {}  # functions of the helpers below, jitted once per process (JAX is imported on first use)
+@functools.cache
+def jitted_adam_direction() -> Callable:
+    """adam_direction(grads, adam_state, max_grad_norm, adam_eps): optax's Adam direction for
+    `grads` clipped by global norm, jitted once per process (op by op, each operation compiled
+    once per parameter shape: seconds a test)."""
+    import jax
+    import optax
+
+    def adam_direction(grads: Any, adam_state: Any, max_grad_norm: float, adam_eps: float) -> Any:
+        clipped, _ = optax.clip_by_global_norm(max_grad_norm).update(grads, optax.EmptyState())
+        return optax.scale_by_adam(eps=adam_eps).update(clipped, adam_state)[0]
+
+    return jax.jit(adam_direction, static_argnums=(2, 3))
 
 
 def learning_rate_used(params_before: Any, params_after: Any, grads: Any, opt_state: Any, max_grad_norm: float, adam_eps: float) -> float:
@@ -264,13 +277,7 @@ def learning_rate_used(params_before: Any, params_after: Any, grads: Any, opt_st
 
     is_adam = lambda x: isinstance(x, optax.ScaleByAdamState)  # noqa: E731
     (adam_state,) = [x for x in jax.tree.leaves(opt_state, is_leaf=is_adam) if is_adam(x)]
-    if "adam_direction" not in JITTED:  # jitted: op by op, each operation compiled once per parameter shape (seconds a test)
-        def adam_direction(grads: Any, adam_state: Any, max_grad_norm: float, adam_eps: float) -> Any:
-            clipped, _ = optax.clip_by_global_norm(max_grad_norm).update(grads, optax.EmptyState())
-            return optax.scale_by_adam(eps=adam_eps).update(clipped, adam_state)[0]
-
-        JITTED["adam_direction"] = jax.jit(adam_direction, static_argnums=(2, 3))
-    direction = JITTED["adam_direction"](grads, adam_state, max_grad_norm, adam_eps)
+    direction = jitted_adam_direction()(grads, adam_state, max_grad_norm, adam_eps)
     flat = lambda tree: np.concatenate([np.ravel(np.asarray(x, np.float64)) for x in jax.tree.leaves(tree)])  # noqa: E731
     step = flat(params_after) - flat(params_before)
     direction = flat(direction)
