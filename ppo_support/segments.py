@@ -139,9 +139,11 @@ class Dispatched(NamedTuple):
 
 class Pace:
     """How many cycles the next segment runs: about SEGMENT_SECONDS at the rate agreed so far (the
-    slowest process's), growing at most 4-fold from one segment to the next, the first one cycle,
-    and shorter towards the end (next_cycles). With --distributed every process paces from the
-    same agreed values, so they all cut the same segments."""
+    slowest process's), and shorter towards the end (next_cycles). The first runs one cycle; the
+    one after the first rate takes its full length at once (that rate was timed on a segment the
+    host waited for alone, its round trip included, so it can only overstate a cycle's time); from
+    there a segment grows at most 4-fold over the one before. With --distributed every process
+    paces from the same agreed values, so they all cut the same segments."""
 
     def __init__(self, max_cycles: int):
         self.max_cycles = max_cycles
@@ -150,15 +152,18 @@ class Pace:
 
     def record(self, seconds_per_cycle: float) -> None:
         if seconds_per_cycle > 0:
+            most = 4 * self.cycles if self.seconds_per_cycle else self.max_cycles
             self.seconds_per_cycle = seconds_per_cycle
             by_time = max(1, int(SEGMENT_SECONDS / seconds_per_cycle))
-            self.cycles = min(self.max_cycles, 4 * self.cycles, by_time)
+            self.cycles = min(self.max_cycles, most, by_time)
 
     def next_cycles(self, cycles_left: int) -> int:
         """The next segment's length: `cycles`, but near the end at most half of the cycles left
-        (and no fewer than an eighth of `cycles`). The host writes the last segment's rows after
-        the device has finished, so a short last segment keeps that wait short."""
-        return min(self.cycles, cycles_left, max(-(-cycles_left // 2), self.cycles // 8, 1))
+        (and no fewer than a 64th of `cycles`, about 16 ms: enough to cover the host's round trip
+        between two segments). The host writes a segment's rows and checkpoint while the next
+        computes, so segments that halve towards the end leave little of that work after the
+        device has finished, even where a checkpoint falls a few cycles before the end."""
+        return min(self.cycles, cycles_left, max(-(-cycles_left // 2), self.cycles // 64, 1))
 
     def segments_ahead(self) -> int:
         """Segments dispatched beyond the one running: one, so that the device never waits; none

@@ -125,15 +125,36 @@ def test_the_host_loop_covers_every_cycle_once_ends_on_every_cycle_it_must_and_s
 
 
 def test_one_process_paces_from_its_own_rate_and_queues_the_next_segment_before_the_host_work(monkeypatch):
-    """Once the first segment is read, one process knows the rate: the second is already 4 cycles
-    (not 1, waiting a segment for the agreed rate), and the segment behind it is dispatched
-    before after_segment runs, so the device never waits for the host's work."""
+    """Once the first segment is read, one process knows the rate: the second already has its full
+    length (not 1 cycle, waiting a segment for the agreed rate), and the segment behind it is
+    dispatched before after_segment runs, so the device never waits for the host's work."""
     monkeypatch.setattr(segments, "SEGMENT_SECONDS", 1e9)
     program, calls_before_host_work = FakeProgram(8), []
     segments.run(program, Counter(jnp.zeros(1, jnp.int32)), 0, 40, lambda cycle: False, 8, None, segments.StopRequests(),
                  lambda segment: calls_before_host_work.append(len(program.calls)))
-    assert [ran for _, ran, _ in program.calls][:4] == [1, 4, 4, 8]
+    assert [ran for _, ran, _ in program.calls][:4] == [1, 8, 8, 8]
     assert calls_before_host_work[:3] == [3, 4, 5]
+
+
+def test_the_first_rate_sets_the_next_segment_at_once_and_later_segments_grow_at_most_four_fold(monkeypatch):
+    """The first rate was timed on a one-cycle segment with the host's round trip in it, so it can
+    only overstate a cycle's time: the next segment takes SEGMENT_SECONDS' worth at once. A later,
+    faster rate lengthens segments at most 4-fold at a time; a slower one shortens them at once."""
+    monkeypatch.setattr(segments, "SEGMENT_SECONDS", 1.0)
+    pace = segments.Pace(max_cycles=4096)
+    assert pace.cycles == 1 and pace.segments_ahead() == 0
+    pace.record(0.0)  # --distributed, before any process has a rate: nothing changes
+    assert pace.cycles == 1
+    pace.record(2.0**-8)  # the first rate: 256 cycles a second
+    assert pace.cycles == 256 and pace.segments_ahead() == 1
+    pace.record(2.0**-12)  # 4,096 a second
+    assert pace.cycles == 1024
+    pace.record(2.0**-12)
+    assert pace.cycles == 4096
+    pace.record(2.0**-6)  # 64 a second
+    assert pace.cycles == 64
+    pace.record(2.0)  # one cycle outlasts SEGMENT_SECONDS: one cycle, none queued ahead
+    assert pace.cycles == 1 and pace.segments_ahead() == 0
 
 
 def test_segments_shorten_towards_the_end_so_that_the_rows_left_to_write_after_training_are_few():
@@ -143,7 +164,21 @@ def test_segments_shorten_towards_the_end_so_that_the_rows_left_to_write_after_t
     while left:
         lengths.append(pace.next_cycles(left))
         left -= lengths[-1]
-    assert sum(lengths) == 976 and max(lengths) == 300 and len(lengths) <= 8
-    assert lengths[-1] <= 300 // 8 and lengths == sorted(lengths, reverse=True)
+    assert sum(lengths) == 976 and max(lengths) == 300 and len(lengths) <= 10
+    assert lengths[-1] <= 300 // 64 and lengths == sorted(lengths, reverse=True)
     pace.cycles = 1  # the first segment, before any rate is known
     assert pace.next_cycles(976) == 1 and pace.next_cycles(1) == 1
+
+
+def test_the_segment_that_ends_on_the_last_checkpoint_is_short_when_the_run_ends_soon_after(monkeypatch):
+    """CartPole's defaults: 976 cycles, a checkpoint every 97. The host writes the rows and the
+    checkpoint of cycle 970 while only cycles 971-976 are left to compute, so the segment that ends
+    there must be short (its rows few), not the 97 cycles since the checkpoint before."""
+    monkeypatch.setattr(segments, "SEGMENT_SECONDS", 1e9)
+    program, seen = FakeProgram(976), []
+    segments.run(program, Counter(jnp.zeros(1, jnp.int32)), 0, 976, lambda cycle: cycle % 97 == 0, 976, None,
+                 segments.StopRequests(), seen.append)
+    lengths = {segment.last_cycle: segment.last_cycle - segment.first_cycle for segment in seen}
+    assert lengths[97] == 96 and lengths[194] == 97  # the full length at once, cut on every checkpoint
+    assert lengths[970] <= 16 and lengths[976] == 6
+    assert sum(lengths.values()) == 976 and len(seen) <= 16
