@@ -86,9 +86,11 @@ def program_inputs(states: Any, mesh: jax.sharding.Mesh | None) -> tuple[Any, An
 
 class StopRequests:
     """Ctrl-C (SIGINT) and SIGTERM (which SLURM sends before it preempts a job) while training: the
-    first asks the run to stop at the end of the segment in flight (and save itself); a second
-    ends the process at once, as the signal always does. Installed only in the main thread, and
-    the handlers found are put back by `restore`."""
+    first asks the run to stop at the end of the segment in flight (and save itself). Then a
+    Ctrl-C, or a SIGTERM after a first Ctrl-C, ends the process at once, as the signal always does;
+    a second SIGTERM is ignored, because it is most often the first one again: `timeout` sends it
+    to the process and then to its whole process group. Installed only in the main thread, and the
+    handlers found are put back by `restore`."""
 
     def __init__(self):
         self.signal_number = 0
@@ -107,7 +109,8 @@ class StopRequests:
             return
         self.signal_number = signal_number
         for other in self.previous:  # the next signal acts at once, whatever the main thread is doing
-            signal.signal(other, signal.SIG_DFL)
+            repeated_sigterm = other == signal_number == signal.SIGTERM
+            signal.signal(other, signal.SIG_IGN if repeated_sigterm else signal.SIG_DFL)
         print(f"\n{self.message(signal_number)}", file=sys.stderr, flush=True)
 
     def restore(self) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import resource
+import signal
 import sys
 import threading
 import time
@@ -176,11 +177,12 @@ class Session:
         return states
 
     def stop_message(self, signal_number: int) -> str:
+        quit_now = "Ctrl-C to quit at once" if signal_number == signal.SIGTERM else "once more to quit at once"
         if not self.training:
             return (f"{segments.signal_name(signal_number)}: stopping once the program has compiled, with nothing written; "
-                    "once more to quit at once")
+                    f"{quit_now}")
         return (f"{segments.signal_name(signal_number)}: stopping at the end of the segment in flight, with a checkpoint "
-                "for --resume; once more to quit at once")
+                f"for --resume; {quit_now}")
 
     def must_end(self, cycle: int) -> bool:
         """A segment must end at every checkpoint and video cycle, so that the host sees the states."""

@@ -120,13 +120,15 @@ def start_and_signal(script: str, flags: list[str], after: str, signal_number: i
 
 
 def check_stopped_run(script: str, run: subprocess.Popen, run_dir: Path, signal_number: int, whole: Path,
-                      load_params: bool = True) -> int:
+                      load_params: bool = True, err_read: str = "") -> int:
     """A run that a signal stopped while training: exit 128 + the signal, one line with the
     --resume command, its checkpoint, metrics rows and params.msgpack up to the cycle it stopped
-    at (checked by loading them when load_params), marked unfinished. Returns that cycle."""
+    at (checked by loading them when load_params), marked unfinished. Returns that cycle.
+    err_read: what the caller has already read of the run's stderr."""
     from ppo_support import rundir
 
     out, err = run.communicate(timeout=600)
+    err = err_read + err
     name = signal.Signals(signal_number).name
     assert run.returncode == 128 + signal_number, err[-3000:]
     assert "Traceback" not in err
