@@ -108,7 +108,7 @@ class StopRequests:
         if self.signal_number:  # the handler was already reset below; a signal sent twice at once
             return
         self.signal_number = signal_number
-        for other in self.previous:  # the next signal acts at once, whatever the main thread is doing
+        for other in self.previous:  # the next one acts at once, whatever the main thread is doing (a repeated SIGTERM: ignored)
             repeated_sigterm = other == signal_number == signal.SIGTERM
             signal.signal(other, signal.SIG_IGN if repeated_sigterm else signal.SIG_DFL)
         print(f"\n{self.message(signal_number)}", file=sys.stderr, flush=True)

@@ -158,7 +158,10 @@ def test_a_signal_while_training_saves_the_run_and_resume_ends_bit_for_bit(tmp_p
     run, _ = start_and_signal(script, [*SMALL[script], "--run-dir", str(run_dir)], "cycle ", signal_number)
     err_read = ""
     if signal_number == signal.SIGTERM:  # again once the first one's handler has run
-        err_read = next(line for line in run.stderr if line.startswith("SIGTERM: stopping"))
+        for line in run.stderr:
+            err_read += line
+            if line.startswith("SIGTERM: stopping"):
+                break
         run.send_signal(signal_number)
     cycle = check_stopped_run(script, run, run_dir, signal_number, whole, err_read=err_read)
     resumed = start(script, "--resume", str(run_dir))
