@@ -95,6 +95,11 @@ COMMON = [
     (["--optimistic-reset-ratio", "0"], "--optimistic-reset-ratio"),
     (["--optimistic-reset-ratio", "1.5"], "--optimistic-reset-ratio"),
     (["--optimistic-reset-ratio", "16"], "--optimistic-reset-ratio"),  # the default env is a gymnax one
+    (["--env-id", "CartPol-v1"], "did you mean CartPole-v1"),
+    (["--env-id", "Breakout-MinAtr"], "did you mean Breakout-MinAtar"),
+    (["--env-id", "Pendulum-v1"], "discrete actions only"),
+    (["--env-id", "probe_envs:ContinuousActions"], "discrete actions only"),
+    (["--num-parallel-envs", "abc"], "--num-parallel-envs"),  # tyro's errors, folded into one line
 ]
 ONLY = {
     "ppo_mlp.py": [
@@ -113,6 +118,8 @@ ONLY = {
         (["--frame-stack", "0"], "--frame-stack"),
         (["--num-parallel-envs", "6", "--num-minibatches-per-epoch", "4"], "--num-minibatches-per-epoch"),  # bptt
         (["--env-id", "CartPole-v1", "--torso", "impala"], "--torso"),  # vector observations need --torso mlp (or auto)
+        (["--env-id", "CartPole-v1", "--torso", "nature"], "--torso"),
+        (["--env-id", "CartPole-v1", "--hidden-sizes", "0"], "--hidden-sizes"),
         (["--hidden-sizes", "64", "0"], "--hidden-sizes"),  # --torso mlp's widths
         (["--activation", "sigmoid"], "--activation"),
         (["--head-hidden-sizes", "128", "0"], "--head-hidden-sizes"),

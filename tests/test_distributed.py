@@ -1,10 +1,18 @@
 """The multi-host path (--distributed) with real processes: two processes on 127.0.0.1, one CPU
 device each, joined by jax.distributed (gloo collectives), train as one 2-device mesh.
 
-Each test runs a script three ways: in one process on 2 simulated devices (the reference), in two
-processes until one of them is killed with SIGKILL after the first checkpoint, and in two
-processes resumed from that checkpoint, stopped by Ctrl-C sent to one of them, and resumed again. Each process runs under tests/support/audit_writes.py, which
-reports every write under the test's folder."""
+The multi-process machinery (a lost process, which process writes, signals, the checkpoint's
+gather across processes) is the package's, the same for both scripts; it is run with ppo_mlp.py.
+ppo_lstm_impala.py's states on a mesh (its LSTM carries split across devices, checkpointed and
+resumed) are tested on 2 simulated devices in one process (test_fault_tolerance.py,
+test_multi_device.py).
+
+The first test runs the script three ways: in one process on 2 simulated devices (the reference),
+in two processes until the worker (process 1) is killed with SIGKILL after the first checkpoint,
+and in two processes resumed from that checkpoint, stopped by Ctrl-C sent to one of them, and
+resumed again. The second kills the coordinator (process 0) instead and checks that the worker
+stops. Each process runs under tests/support/audit_writes.py, which reports every write under
+the test's folder."""
 
 from __future__ import annotations
 
@@ -17,20 +25,11 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from helpers import ROOT, xla_flags
 
-CONFIGS = {
-    "ppo_mlp.py": ["--num-parallel-envs", "4", "--num-env-steps-per-cycle", "16", "--num-minibatches-per-epoch", "2",
-                   "--num-total-env-steps", str(64 * 40), "--checkpoint-every-cycles", "4"],
-    # Memory: 6-step episodes that span cycles, so the checkpoint holds LSTM carries mid-episode.
-    "ppo_lstm_impala.py": ["--env-id", "probe_envs:Memory", "--impala-channels", "4", "--torso-size", "32",
-                           "--lstm-size", "32", "--num-parallel-envs", "4", "--num-env-steps-per-cycle", "10",
-                           "--num-minibatches-per-epoch", "2", "--num-total-env-steps", str(40 * 40),
-                           "--checkpoint-every-cycles", "4"],
-}
-KILLED = {"ppo_mlp.py": 1, "ppo_lstm_impala.py": 0}  # the process SIGKILL stops: a worker, and the coordinator
+SCRIPT = "ppo_mlp.py"
+FLAGS = ["--num-parallel-envs", "4", "--num-env-steps-per-cycle", "16", "--num-minibatches-per-epoch", "2",
+         "--num-total-env-steps", str(64 * 40), "--checkpoint-every-cycles", "4"]
 LOST_WITHIN_SECONDS = 60
 
 
@@ -73,23 +72,14 @@ def checkpoints(run_dir: Path) -> list[Path]:
     return sorted(run_dir.glob("checkpoint-*.npz"), key=lambda path: int(path.stem.split("-")[1]))
 
 
-@pytest.mark.parametrize("script", sorted(CONFIGS))
-def test_two_processes_train_as_two_devices_survive_a_lost_process_and_resume(tmp_path, script):
-    flags = CONFIGS[script]
-    reference_dir, run_dir = tmp_path / "reference", tmp_path / "two-processes"
-    two_devices = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2"), "JAX_PLATFORMS": "cpu"}
-    reference = subprocess.run([sys.executable, str(ROOT / script), *flags, "--num-devices", "2", "--run-dir",
-                                str(reference_dir)], capture_output=True, text=True, timeout=600, env=two_devices, cwd=ROOT)
-    assert reference.returncode == 0, reference.stderr[-3000:]
-
-    # Two processes, one of them killed after the first checkpoint: the other stops too, soon,
-    # with one line that names the lost process.
-    processes = start_processes(script, [*flags, "--run-dir", str(run_dir)], tmp_path)
+def kill_after_the_first_checkpoint(run_dir: Path, victim: int, audited: Path) -> None:
+    """Two processes, one of them (victim) killed by SIGKILL after the first checkpoint: the other
+    stops too, soon, with one line that names the lost process; the run is not finished."""
+    processes = start_processes(SCRIPT, [*FLAGS, "--run-dir", str(run_dir)], audited)
     deadline = time.time() + 600
     while not checkpoints(run_dir):
         assert all(process.poll() is None for process in processes) and time.time() < deadline, "ended before a checkpoint"
         time.sleep(0.005)
-    victim = KILLED[script]
     processes[victim].send_signal(signal.SIGKILL)
     killed_at = time.time()
     survivor = processes[1 - victim]
@@ -102,6 +92,17 @@ def test_two_processes_train_as_two_devices_survive_a_lost_process_and_resume(tm
     assert not (run_dir / "summary.json").exists(), "killed too late: make the run longer"
     if victim == 1:  # the survivor is process 0, which wrote; process 1 wrote nothing
         assert written(err) and not written(processes[1].stderr.read())
+
+
+def test_two_processes_train_as_two_devices_survive_a_lost_process_and_resume(tmp_path):
+    script, flags = SCRIPT, FLAGS
+    reference_dir, run_dir = tmp_path / "reference", tmp_path / "two-processes"
+    two_devices = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2"), "JAX_PLATFORMS": "cpu"}
+    reference = subprocess.run([sys.executable, str(ROOT / script), *flags, "--num-devices", "2", "--run-dir",
+                                str(reference_dir)], capture_output=True, text=True, timeout=600, env=two_devices, cwd=ROOT)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    kill_after_the_first_checkpoint(run_dir, victim=1, audited=tmp_path)
 
     # Both resume from the checkpoint they wrote; as training starts, Ctrl-C reaches process 1
     # alone: both stop at the same cycle, process 0 saves the run, both exit 130 (SIGINT's).
@@ -131,6 +132,10 @@ def test_two_processes_train_as_two_devices_survive_a_lost_process_and_resume(tm
     assert [path.name for path in checkpoints(run_dir)] == [path.name for path in checkpoints(reference_dir)]
     for resumed_checkpoint, reference_checkpoint in zip(checkpoints(run_dir), checkpoints(reference_dir)):
         assert resumed_checkpoint.read_bytes() == reference_checkpoint.read_bytes()
+
+
+def test_a_worker_stops_with_one_line_when_the_coordinator_is_lost(tmp_path):
+    kill_after_the_first_checkpoint(tmp_path / "two-processes", victim=0, audited=tmp_path)
 
 
 def test_distributed_refuses_a_device_count_that_leaves_out_a_process(tmp_path):

@@ -601,7 +601,8 @@ def test_memory_task_needs_the_lstm(tmp_path):
 
 def test_vector_observations_get_the_mlp_torso_and_the_lstm_remembers(tmp_path):
     """The same task with vector observations: --torso auto picks the MLP torso (its parameters
-    are dense layers only); bptt and stored solve it, the feed-forward network stays at chance."""
+    are dense layers only); bptt and stored solve it (the feed-forward network's chance level is
+    test_memory_task_needs_the_lstm's)."""
     task = {**MEMORY_TASK, "env_id": "probe_envs:MemoryVector", "hidden_sizes": (32,)}
     env, env_params = envs.make_env(task["env_id"])
     params = ppo.init_params(ppo.make_network(tiny_args(tmp_path, **task), 2), jax.random.key(0), tiny_args(tmp_path, **task),
@@ -610,10 +611,8 @@ def test_vector_observations_get_the_mlp_torso_and_the_lstm_remembers(tmp_path):
     assert any("MLP" in name for name in layer_names) and not any("Impala" in name for name in layer_names)
     bptt = ppo.run(tiny_args(tmp_path, "bptt", **task, eval_every_cycles=39))
     stored = ppo.run(tiny_args(tmp_path, "stored", **task, lstm_training="stored", frame_stack=2))
-    feed_forward = ppo.run(tiny_args(tmp_path, "ff", **{**task, "lstm_size": 0}))
     assert bptt["final_episodic_return"] >= 0.9 and bptt["final_eval_return"] >= 0.9
     assert stored["final_episodic_return"] >= 0.9
-    assert feed_forward["final_episodic_return"] < 0.65
 
 
 # ======================================================================================
@@ -621,29 +620,14 @@ def test_vector_observations_get_the_mlp_torso_and_the_lstm_remembers(tmp_path):
 # ======================================================================================
 
 
-@pytest.mark.parametrize(
-    "argv, message",
-    [
-        (["--env-id", "CartPole-v1", "--torso", "impala"], "--torso"),  # vectors need --torso mlp (or auto)
-        (["--env-id", "CartPole-v1", "--torso", "nature"], "--torso"),
-        (["--env-id", "CartPole-v1", "--hidden-sizes", "0"], "--hidden-sizes"),
-        (["--lstm-size", "0", "--prev-action-reward"], "--prev-action-reward"),
-        (["--num-parallel-envs", "6", "--num-minibatches-per-epoch", "4"], "--num-minibatches-per-epoch"),
-        (["--env-id", "Breakout-MinAtr"], "Breakout-MinAtar"),
-        (["--env-id", "probe_envs:ContinuousActions"], "discrete"),
-        (["--num-parallel-envs", "abc"], "--num-parallel-envs"),  # tyro's errors, folded into one line
-        (["--no-such-flag"], "--no-such-flag"),
-        (["--lstm-training", "tbptt"], "--lstm-training"),
-    ],
-)
-def test_bad_input_exits_2_with_one_line(tmp_path, argv, message):
-    result = run_script(SCRIPT, *argv, "--run-dir", str(tmp_path / "run"), timeout=120)
+def test_bad_input_exits_2_with_one_line(tmp_path):
+    """A whole process, refused once the env is made: the fuzz of bad values (test_bad_flags.py)
+    runs the scripts' main in-process."""
+    result = run_script(SCRIPT, "--env-id", "probe_envs:ContinuousActions", "--run-dir", str(tmp_path / "run"), timeout=120)
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], result.stderr
-    if "--num-parallel-envs" in argv:
-        assert "--num-parallel-envs" in lines[0]
+    assert len(lines) == 1 and "discrete actions only" in lines[0], result.stderr
     assert not (tmp_path / "run").exists()
 
 

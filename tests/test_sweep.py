@@ -87,10 +87,12 @@ def flags_of(script: str, point: int) -> list[str]:
 @pytest.mark.parametrize("script", sorted(TINY))
 def test_a_point_of_a_sweep_trains_as_its_flags_do_alone(tmp_path, script):
     """Every sweepable key, swept (two axes set all of them at once, with the reward and, for
-    ppo_mlp.py, observation normalisation on): point 1 (the floats' first values, the switches at
-    their defaults) and point 2 (the floats' second values, every switch flipped) train as the same
-    flags do alone: the same parameters, metrics and normalisation statistics up to float rounding
-    (the programs batch their runs differently), while the points differ from each other."""
+    ppo_mlp.py, observation normalisation on): point 2, where every key is away from its default (the
+    floats' second values, every switch flipped), trains as the same flags do alone: the same
+    parameters, metrics and normalisation statistics up to float rounding (the programs batch their
+    runs differently), while the four points differ from each other. A key that did not reach the
+    algorithm, or a point handed another point's value of either axis, leaves point 2 apart from its
+    flags alone."""
     from ppo_support import sweeps
 
     module = importlib.import_module(Path(script).stem)
@@ -120,7 +122,7 @@ def test_a_point_of_a_sweep_trains_as_its_flags_do_alone(tmp_path, script):
     epochs_run = [row["losses/epochs_run"] for index in (1, 2) for row in rows(sweep_dir / f"point-{index}")]
     assert min(epochs_run) < max(epochs_run)  # the second target-kl stopped some cycles: its value matters
 
-    for index in (1, 2):
+    for index in (2,):
         alone_dir = tmp_path / f"alone-{index}"
         result = run_script(script, *TINY[script], *NORMALIZATION[script], *flags_of(script, index), "--run-dir", str(alone_dir))
         assert result.returncode == 0, result.stderr[-3000:]
