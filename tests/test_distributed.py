@@ -95,10 +95,9 @@ def kill_after_the_first_checkpoint(run_dir: Path, victim: int, audited: Path) -
 
 
 def test_two_processes_train_as_two_devices_survive_a_lost_process_and_resume(tmp_path):
-    script, flags = SCRIPT, FLAGS
     reference_dir, run_dir = tmp_path / "reference", tmp_path / "two-processes"
     two_devices = {**os.environ, "XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=2"), "JAX_PLATFORMS": "cpu"}
-    reference = subprocess.run([sys.executable, str(ROOT / script), *flags, "--num-devices", "2", "--run-dir",
+    reference = subprocess.run([sys.executable, str(ROOT / SCRIPT), *FLAGS, "--num-devices", "2", "--run-dir",
                                 str(reference_dir)], capture_output=True, text=True, timeout=600, env=two_devices, cwd=ROOT)
     assert reference.returncode == 0, reference.stderr[-3000:]
 
@@ -106,7 +105,7 @@ def test_two_processes_train_as_two_devices_survive_a_lost_process_and_resume(tm
 
     # Both resume from the checkpoint they wrote; as training starts, Ctrl-C reaches process 1
     # alone: both stop at the same cycle, process 0 saves the run, both exit 130 (SIGINT's).
-    processes = start_processes(script, ["--resume", str(run_dir)], tmp_path)
+    processes = start_processes(SCRIPT, ["--resume", str(run_dir)], tmp_path)
     for line in processes[0].stdout:  # process 0 prints; both have compiled, and their signals are the run's
         if line.startswith("run dir:"):
             break
@@ -119,7 +118,7 @@ def test_two_processes_train_as_two_devices_survive_a_lost_process_and_resume(tm
                for _, _, stopped_err in stopped)
 
     # Resumed again, they end as the 2-device run did.
-    resumed = finish(start_processes(script, ["--resume", str(run_dir)], tmp_path))
+    resumed = finish(start_processes(SCRIPT, ["--resume", str(run_dir)], tmp_path))
     for code, out, err in resumed:
         assert code == 0, err[-3000:]
     (_, out_0, err_0), (_, out_1, err_1) = resumed

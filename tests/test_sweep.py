@@ -122,17 +122,16 @@ def test_a_point_of_a_sweep_trains_as_its_flags_do_alone(tmp_path, script):
     epochs_run = [row["losses/epochs_run"] for index in (1, 2) for row in rows(sweep_dir / f"point-{index}")]
     assert min(epochs_run) < max(epochs_run)  # the second target-kl stopped some cycles: its value matters
 
-    for index in (2,):
-        alone_dir = tmp_path / f"alone-{index}"
-        result = run_script(script, *TINY[script], *NORMALIZATION[script], *flags_of(script, index), "--run-dir", str(alone_dir))
-        assert result.returncode == 0, result.stderr[-3000:]
-        assert_close_rows(rows(sweep_dir / f"point-{index}"), rows(alone_dir))
-        for swept, alone in zip(params(script, sweep_dir / f"point-{index}"), params(script, alone_dir), strict=True):
+    point_dir, alone_dir = sweep_dir / "point-2", tmp_path / "alone-2"
+    result = run_script(script, *TINY[script], *NORMALIZATION[script], *flags_of(script, 2), "--run-dir", str(alone_dir))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert_close_rows(rows(point_dir), rows(alone_dir))
+    for swept, alone in zip(params(script, point_dir), params(script, alone_dir), strict=True):
+        np.testing.assert_allclose(swept, alone, rtol=1e-5, atol=1e-6)
+    if "--norm-obs" in NORMALIZATION[script]:  # each point keeps its own statistics, as evaluate.py reads them
+        for swept, alone in zip(jax.tree.leaves(module.load_obs_stats(point_dir)),
+                                jax.tree.leaves(module.load_obs_stats(alone_dir)), strict=True):
             np.testing.assert_allclose(swept, alone, rtol=1e-5, atol=1e-6)
-        if "--norm-obs" in NORMALIZATION[script]:  # each point keeps its own statistics, as evaluate.py reads them
-            for swept, alone in zip(jax.tree.leaves(module.load_obs_stats(sweep_dir / f"point-{index}")),
-                                    jax.tree.leaves(module.load_obs_stats(alone_dir)), strict=True):
-                np.testing.assert_allclose(swept, alone, rtol=1e-5, atol=1e-6)
     # every point trained with its own values: no two points end with the same parameters
     ends = [np.concatenate([leaf.ravel() for leaf in params(script, sweep_dir / f"point-{index}")]) for index in range(4)]
     assert min(np.abs(a - b).max() for i, a in enumerate(ends) for b in ends[i + 1:]) > 1e-4
