@@ -231,6 +231,46 @@ def test_minigrid_memory_scripted_policies_succeed_always_with_the_cue_and_half_
     assert low <= rate <= high, (rate, episodes)
 
 
+def test_the_minigrid_memory_variants_take_away_what_they_say():
+    """tests/support/minigrid_memory.py, over 256 resets each: every episode starts at column 1,
+    facing east, with the cue in the adapter's first observation; the wide view shows both end
+    objects from the corridor's end; the right side follows the layout alone (fixed_cue) or the
+    cue alone (fixed_layout), and the part that is not fixed still varies."""
+    pytest.importorskip("xminigrid")
+    import minigrid_memory as variants
+    from xminigrid.core.constants import Tiles
+
+    keys = jax.random.split(jax.random.key(0), 256)
+    resets = {}
+    for name in ("cue_in_view", "cue_in_view_wide", "fixed_cue", "fixed_layout"):
+        env, params = getattr(variants, name)()
+        obs, state = jax.jit(jax.vmap(env.reset, in_axes=(0, None)))(keys, params)
+        grid = np.asarray(state.state.grid)[..., 0]
+        cue, upper, lower = grid[:, 2, 1], grid[:, 1, CORRIDOR_END], grid[:, 5, CORRIDOR_END]
+        upper_is_right = np.asarray(state.state.carry.success_pos)[:, 0] == 2
+        np.testing.assert_array_equal(np.asarray(state.state.agent.position), np.tile([3, 1], (256, 1)))
+        assert (np.asarray(state.state.agent.direction) == EAST).all()
+        np.testing.assert_array_equal(upper_is_right, upper == cue)
+        resets[name] = (env, params, obs, state, cue, upper, lower)
+        if name != "cue_in_view_wide":
+            np.testing.assert_array_equal(seen_object(obs), cue)  # the only object in the 3 x 3 first view
+
+    _, _, _, _, cue, upper, _ = resets["cue_in_view"]
+    assert 0 < (cue == Tiles.BALL).mean() < 1 and 0 < (upper == Tiles.BALL).mean() < 1
+    _, _, _, _, cue, upper, _ = resets["fixed_cue"]
+    assert (cue == Tiles.BALL).all() and 0 < (upper == Tiles.BALL).mean() < 1
+    _, _, _, _, cue, upper, lower = resets["fixed_layout"]
+    assert (upper == Tiles.BALL).all() and (lower == Tiles.KEY).all() and 0 < (cue == Tiles.BALL).mean() < 1
+
+    env, params, obs, state, _, upper, lower = resets["cue_in_view_wide"]
+    step = jax.jit(jax.vmap(env.step, in_axes=(0, 0, None, None)))
+    for _ in range(CORRIDOR_END - 1):  # walk east to the corridor's end
+        obs, state, *_ = step(keys, state, jnp.int32(FORWARD), params)
+    assert (np.asarray(state.state.agent.position)[:, 1] == CORRIDOR_END).all()
+    tiles = np.asarray(decode(obs))[..., 0].reshape(256, -1)
+    assert ((tiles == Tiles.BALL).any(1) & (tiles == Tiles.KEY).any(1)).all()  # both end objects in view
+
+
 # ======================================================================================
 # --optimistic-reset-ratio: SuiteEnv.step_batch against a Python loop, on a counting env
 # ======================================================================================
