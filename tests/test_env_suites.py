@@ -235,14 +235,15 @@ def test_the_minigrid_memory_variants_take_away_what_they_say():
     """tests/support/minigrid_memory.py, over 256 resets each: every episode starts at column 1,
     facing east, with the cue in the adapter's first observation; the wide view shows both end
     objects from the corridor's end; the right side follows the layout alone (fixed_cue) or the
-    cue alone (fixed_layout), and the part that is not fixed still varies."""
+    cue alone (fixed_layout), and the part that is not fixed still varies; half_fixed_layout fixes
+    the layout in half the episodes."""
     pytest.importorskip("xminigrid")
     import minigrid_memory as variants
     from xminigrid.core.constants import Tiles
 
     keys = jax.random.split(jax.random.key(0), 256)
     resets = {}
-    for name in ("cue_in_view", "cue_in_view_wide", "fixed_cue", "fixed_layout"):
+    for name in ("cue_in_view", "cue_in_view_wide", "fixed_cue", "fixed_layout", "half_fixed_layout"):
         env, params = getattr(variants, name)()
         obs, state = jax.jit(jax.vmap(env.reset, in_axes=(0, None)))(keys, params)
         grid = np.asarray(state.state.grid)[..., 0]
@@ -261,6 +262,8 @@ def test_the_minigrid_memory_variants_take_away_what_they_say():
     assert (cue == Tiles.BALL).all() and 0 < (upper == Tiles.BALL).mean() < 1
     _, _, _, _, cue, upper, lower = resets["fixed_layout"]
     assert (upper == Tiles.BALL).all() and (lower == Tiles.KEY).all() and 0 < (cue == Tiles.BALL).mean() < 1
+    _, _, _, _, cue, upper, _ = resets["half_fixed_layout"]  # fixed in half the episodes: the ball on top in 3/4
+    assert 0.65 < (upper == Tiles.BALL).mean() < 0.85 and 0 < (cue == Tiles.BALL).mean() < 1
 
     env, params, obs, state, _, upper, lower = resets["cue_in_view_wide"]
     step = jax.jit(jax.vmap(env.step, in_axes=(0, 0, None, None)))

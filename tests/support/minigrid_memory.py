@@ -14,10 +14,13 @@ MemoryS8 (7 x 8): the agent starts in the corridor's row 3 at column 1 to 5, fac
   end objects, with nothing to remember.
 - fixed_layout: cue_in_view with the ball always the upper object: the right side follows from
   the cue alone, and nothing needs to be seen at the end.
+- half_fixed_layout: fixed_layout in half the episodes (a coin at each reset), cue_in_view in
+  the other half: the cue alone is worth remembering there, and the layout matters here.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import xminigrid
 from xminigrid.core.constants import Colors, Tiles
@@ -31,6 +34,7 @@ UPPER, LOWER = (1, WIDTH - 2), (5, WIDTH - 2)  # the end objects
 NEXT_TO_UPPER, NEXT_TO_LOWER = (2, WIDTH - 2), (4, WIDTH - 2)  # where stepping ends the episode
 START_IN_VIEW_OF_THE_CUE = (3, 1)
 WIDE_VIEW = 5
+HALF_FIXED_SALT = 1  # HalfFixedLayout's coin: a key of its own, apart from the layout's
 
 
 class CueInView(Memory):
@@ -65,6 +69,14 @@ class FixedLayout(CueInView):
         return with_right_side(state.replace(grid=grid), state.grid[CUE][0] == Tiles.BALL)
 
 
+class HalfFixedLayout(FixedLayout):
+    def _generate_problem(self, params, key):
+        fixed = super()._generate_problem(params, key)
+        state = CueInView._generate_problem(self, params, key)  # the same cue, its layout drawn
+        half = jax.random.bernoulli(jax.random.fold_in(key, HALF_FIXED_SALT))
+        return jax.tree.map(lambda when_fixed, drawn: jnp.where(half, when_fixed, drawn), fixed, state)
+
+
 def made(env_class: type, param_values: tuple[str, ...] = ()):
     env_id = f"MiniGrid-MemoryS8-{env_class.__name__}"  # xminigrid's registry wants the MiniGrid- prefix
     if env_id not in xminigrid.registered_environments():
@@ -86,3 +98,7 @@ def fixed_cue():
 
 def fixed_layout():
     return made(FixedLayout)
+
+
+def half_fixed_layout():
+    return made(HalfFixedLayout)
