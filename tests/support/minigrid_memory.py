@@ -62,19 +62,22 @@ class FixedCue(CueInView):
         return with_right_side(state, state.grid[UPPER][0] == Tiles.BALL)
 
 
+def with_fixed_layout(state):
+    """The ball on top, the key below: the right side follows from the cue alone."""
+    grid = state.grid.at[UPPER].set(tile(Tiles.BALL, state.grid)).at[LOWER].set(tile(Tiles.KEY, state.grid))
+    return with_right_side(state.replace(grid=grid), state.grid[CUE][0] == Tiles.BALL)
+
+
 class FixedLayout(CueInView):
     def _generate_problem(self, params, key):
-        state = super()._generate_problem(params, key)
-        grid = state.grid.at[UPPER].set(tile(Tiles.BALL, state.grid)).at[LOWER].set(tile(Tiles.KEY, state.grid))
-        return with_right_side(state.replace(grid=grid), state.grid[CUE][0] == Tiles.BALL)
+        return with_fixed_layout(super()._generate_problem(params, key))
 
 
-class HalfFixedLayout(FixedLayout):
+class HalfFixedLayout(CueInView):
     def _generate_problem(self, params, key):
-        fixed = super()._generate_problem(params, key)
-        state = CueInView._generate_problem(self, params, key)  # the same cue, its layout drawn
+        drawn = super()._generate_problem(params, key)
         half = jax.random.bernoulli(jax.random.fold_in(key, HALF_FIXED_SALT))
-        return jax.tree.map(lambda when_fixed, drawn: jnp.where(half, when_fixed, drawn), fixed, state)
+        return jax.tree.map(lambda fixed, free: jnp.where(half, fixed, free), with_fixed_layout(drawn), drawn)
 
 
 def made(env_class: type, param_values: tuple[str, ...] = ()):
