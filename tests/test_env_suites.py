@@ -236,36 +236,53 @@ def test_the_minigrid_memory_variants_take_away_what_they_say():
     facing east, with the cue in the adapter's first observation; the wide view shows both end
     objects from the corridor's end; the right side follows the layout alone (fixed_cue) or the
     cue alone (fixed_layout), and the part that is not fixed still varies; half_fixed_layout fixes
-    the layout in half the episodes."""
+    the layout in half the episodes; the *_any_start variants start where MiniGrid-MemoryS8 does
+    for the same keys (at column 1 to 5), and the *_starts_to_K variants at every column from 1 to K."""
     pytest.importorskip("xminigrid")
     import minigrid_memory as variants
     from xminigrid.core.constants import Tiles
 
     keys = jax.random.split(jax.random.key(0), 256)
     shares = {}  # per variant, the share of resets with: the ball as the cue, the ball on top, the key below
-    for name in ("cue_in_view", "cue_in_view_wide", "fixed_cue", "fixed_layout", "half_fixed_layout"):
+    memory_env, memory_params = envs.xminigrid_env("MiniGrid-MemoryS8", ())
+    _, memory_state = jax.jit(jax.vmap(memory_env.reset, in_axes=(0, None)))(keys, memory_params)
+    memory_starts = np.asarray(memory_state.state.agent.position)
+    names = ("cue_in_view", "cue_in_view_wide", "fixed_cue", "fixed_layout", "half_fixed_layout")
+    other_starts = ("fixed_layout_any_start", "half_fixed_layout_any_start", "fixed_layout_starts_to_2", "fixed_layout_starts_to_3",
+                    "half_fixed_layout_starts_to_2", "half_fixed_layout_starts_to_3")
+    for name in (*names, *other_starts):
         env, params = getattr(variants, name)()
         obs, state = jax.jit(jax.vmap(env.reset, in_axes=(0, None)))(keys, params)
         grid = np.asarray(state.state.grid)[..., 0]
         cue, upper, lower = grid[:, 2, 1], grid[:, 1, CORRIDOR_END], grid[:, 5, CORRIDOR_END]
         upper_is_right = np.asarray(state.state.carry.success_pos)[:, 0] == 2
-        np.testing.assert_array_equal(np.asarray(state.state.agent.position), np.tile([3, 1], (256, 1)))
         assert (np.asarray(state.state.agent.direction) == EAST).all()
         np.testing.assert_array_equal(upper_is_right, upper == cue)
         shares[name] = float((cue == Tiles.BALL).mean()), float((upper == Tiles.BALL).mean()), float((lower == Tiles.KEY).mean())
+        if name.endswith("_any_start"):
+            np.testing.assert_array_equal(np.asarray(state.state.agent.position), memory_starts)
+            continue
+        if "_starts_to_" in name:
+            rows, columns = np.asarray(state.state.agent.position).T
+            assert (rows == 3).all() and set(columns) == set(range(1, int(name[-1]) + 1)), name
+            continue
+        np.testing.assert_array_equal(np.asarray(state.state.agent.position), np.tile([3, 1], (256, 1)))
         if name == "cue_in_view_wide":
             wide = env, params, state
         else:
             np.testing.assert_array_equal(seen_object(obs), cue)  # the only object in the 3 x 3 first view
+    assert set(memory_starts[:, 1]) == {1, 2, 3, 4, 5} and (memory_starts[:, 0] == 3).all()
 
     cue, upper, _ = shares["cue_in_view"]
     assert 0 < cue < 1 and 0 < upper < 1
     cue, upper, _ = shares["fixed_cue"]
     assert cue == 1 and 0 < upper < 1
-    cue, upper, lower = shares["fixed_layout"]
-    assert upper == 1 and lower == 1 and 0 < cue < 1
-    cue, upper, _ = shares["half_fixed_layout"]  # fixed in half the episodes: the ball on top in 3/4
-    assert 0.65 < upper < 0.85 and 0 < cue < 1
+    for name in ("fixed_layout", "fixed_layout_any_start", "fixed_layout_starts_to_2", "fixed_layout_starts_to_3"):
+        cue, upper, lower = shares[name]
+        assert upper == 1 and lower == 1 and 0 < cue < 1, name
+    for name in ("half_fixed_layout", "half_fixed_layout_any_start", "half_fixed_layout_starts_to_2", "half_fixed_layout_starts_to_3"):
+        cue, upper, _ = shares[name]  # fixed in half the episodes: the ball on top in 3/4
+        assert 0.65 < upper < 0.85 and 0 < cue < 1, name
 
     env, params, state = wide
     step = jax.jit(jax.vmap(env.step, in_axes=(0, 0, None, None)))
@@ -274,6 +291,29 @@ def test_the_minigrid_memory_variants_take_away_what_they_say():
     assert (np.asarray(state.state.agent.position)[:, 1] == CORRIDOR_END).all()
     tiles = np.asarray(decode(obs))[..., 0].reshape(256, -1)
     assert ((tiles == Tiles.BALL).any(1) & (tiles == Tiles.KEY).any(1)).all()  # both end objects in view
+
+
+def test_cue_in_view_of_says_when_the_observation_shows_the_cue():
+    """minigrid_memory.cue_in_view_of (the analysis' "cue ever in view") from the agent's position
+    and direction, against the adapter's observation, on 256 random walks of 40 steps in
+    MiniGrid-MemoryS8: west of column 4 the only object the view can show is the cue."""
+    pytest.importorskip("xminigrid")
+    from minigrid_memory import cue_in_view_of
+
+    env, params = envs.make_env("MiniGrid-MemoryS8")
+    keys = jax.random.split(jax.random.key(0), 256)
+    obs, state = jax.jit(jax.vmap(env.reset, in_axes=(0, None)))(keys, params)
+    step = jax.jit(lambda keys, state, action: env.step_batch(keys, state, action, params))
+    agreed = []
+    for t in range(40):
+        agent = state.state.agent
+        west = np.asarray(agent.position)[:, 1] <= 3
+        in_view = np.asarray(cue_in_view_of(agent))
+        np.testing.assert_array_equal(in_view[west], seen_object(obs)[west] != -1)
+        agreed.extend(in_view[west])
+        actions = jax.random.randint(jax.random.key(100 + t), (256,), 0, 3)  # forward, turn right, turn left
+        obs, state, *_ = step(jax.random.split(jax.random.key(t + 1), 256), state, actions)
+    assert 0.1 < np.mean(agreed) < 0.9  # both answers were checked, many times
 
 
 # ======================================================================================

@@ -16,12 +16,29 @@ MemoryS8 (7 x 8): the agent starts in the corridor's row 3 at column 1 to 5, fac
   the cue alone, and nothing needs to be seen at the end.
 - half_fixed_layout: fixed_layout in half the episodes (a coin at each reset), cue_in_view in
   the other half: the cue alone is worth remembering there, and the layout matters here.
+- fixed_layout_any_start, half_fixed_layout_any_start: fixed_layout and half_fixed_layout with
+  MemoryS8's own start (column 1 to 5), so that in most episodes the agent must walk back to see
+  the cue.
+- fixed_layout_starts_to_2, fixed_layout_starts_to_3: fixed_layout starting at column 1 to 2 or 1
+  to 3 (drawn uniformly), facing east: from column 2 one turn north shows the cue, from column 3
+  two turns (to face west). half_fixed_layout_starts_to_2, half_fixed_layout_starts_to_3: the same
+  starts for half_fixed_layout.
+
+Run as a script, it plays a run's final policies and splits their success by start column
+(docs/experiments.md, "The walk back for the cue"):
+
+    PYTHONPATH=. python tests/support/minigrid_memory.py RUN_DIR [--env-id ID] [--episodes N]
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import xminigrid
 from xminigrid.core.constants import Colors, Tiles
 from xminigrid.envs.minigrid.memory import Memory
@@ -35,6 +52,17 @@ NEXT_TO_UPPER, NEXT_TO_LOWER = (2, WIDTH - 2), (4, WIDTH - 2)  # where stepping 
 START_IN_VIEW_OF_THE_CUE = (3, 1)
 WIDE_VIEW = 5
 HALF_FIXED_SALT = 1  # HalfFixedLayout's coin: a key of its own, apart from the layout's
+START_SALT = 2  # with_start_up_to's start column
+NORTH, EAST, SOUTH, WEST = range(4)  # xminigrid's agent directions
+
+
+def cue_in_view_of(agent) -> jnp.ndarray:
+    """Whether the cue's cell lies in the agent's 3 x 3 view (the agent at the middle of its
+    view's back row), from its position and direction; walls hide nothing in xminigrid's view."""
+    row, column, direction = agent.position[..., 0], agent.position[..., 1], agent.direction
+    top = jnp.select([direction == NORTH, direction == SOUTH], [row - 2, row], row - 1)
+    left = jnp.select([direction == EAST, direction == WEST], [column, column - 2], column - 1)
+    return (top <= CUE[0]) & (CUE[0] <= top + 2) & (left <= CUE[1]) & (CUE[1] <= left + 2)
 
 
 class CueInView(Memory):
@@ -73,11 +101,50 @@ class FixedLayout(CueInView):
         return with_fixed_layout(super()._generate_problem(params, key))
 
 
+def with_layout_fixed_half_the_time(drawn, key):
+    half = jax.random.bernoulli(jax.random.fold_in(key, HALF_FIXED_SALT))
+    return jax.tree.map(lambda fixed, free: jnp.where(half, fixed, free), with_fixed_layout(drawn), drawn)
+
+
 class HalfFixedLayout(CueInView):
     def _generate_problem(self, params, key):
-        drawn = super()._generate_problem(params, key)
-        half = jax.random.bernoulli(jax.random.fold_in(key, HALF_FIXED_SALT))
-        return jax.tree.map(lambda fixed, free: jnp.where(half, fixed, free), with_fixed_layout(drawn), drawn)
+        return with_layout_fixed_half_the_time(super()._generate_problem(params, key), key)
+
+
+class FixedLayoutAnyStart(Memory):
+    def _generate_problem(self, params, key):
+        return with_fixed_layout(super()._generate_problem(params, key))
+
+
+def with_start_up_to(state, key, last_column: int):
+    """The agent starts at a column drawn from 1 to last_column, in the corridor, facing east."""
+    column = jax.random.randint(jax.random.fold_in(key, START_SALT), (), 1, last_column + 1)
+    return state.replace(agent=state.agent.replace(position=jnp.array(START_IN_VIEW_OF_THE_CUE).at[1].set(column)))
+
+
+class FixedLayoutStartsTo2(FixedLayout):
+    def _generate_problem(self, params, key):
+        return with_start_up_to(super()._generate_problem(params, key), key, 2)
+
+
+class FixedLayoutStartsTo3(FixedLayout):
+    def _generate_problem(self, params, key):
+        return with_start_up_to(super()._generate_problem(params, key), key, 3)
+
+
+class HalfFixedLayoutStartsTo2(HalfFixedLayout):
+    def _generate_problem(self, params, key):
+        return with_start_up_to(super()._generate_problem(params, key), key, 2)
+
+
+class HalfFixedLayoutStartsTo3(HalfFixedLayout):
+    def _generate_problem(self, params, key):
+        return with_start_up_to(super()._generate_problem(params, key), key, 3)
+
+
+class HalfFixedLayoutAnyStart(Memory):
+    def _generate_problem(self, params, key):
+        return with_layout_fixed_half_the_time(super()._generate_problem(params, key), key)
 
 
 def made(env_class: type, param_values: tuple[str, ...] = ()):
@@ -105,3 +172,76 @@ def fixed_layout():
 
 def half_fixed_layout():
     return made(HalfFixedLayout)
+
+
+def fixed_layout_any_start():
+    return made(FixedLayoutAnyStart)
+
+
+def fixed_layout_starts_to_2():
+    return made(FixedLayoutStartsTo2)
+
+
+def fixed_layout_starts_to_3():
+    return made(FixedLayoutStartsTo3)
+
+
+def half_fixed_layout_starts_to_2():
+    return made(HalfFixedLayoutStartsTo2)
+
+
+def half_fixed_layout_starts_to_3():
+    return made(HalfFixedLayoutStartsTo3)
+
+
+def half_fixed_layout_any_start():
+    return made(HalfFixedLayoutAnyStart)
+
+
+# ======================================================================================
+# The analysis: success by start column, and how often the cue was ever in view
+# ======================================================================================
+
+
+def by_start_column(run_dir: Path, env_id: str | None, episodes: int) -> None:
+    """Plays each seed's final policy with ppo_lstm_impala.py's own evaluation (sampled actions,
+    as in training) in `episodes` fresh envs, one episode each, on the run's env or on env_id."""
+    import ppo_lstm_impala as script
+
+    args, params = script.load_params(run_dir)
+    args = dataclasses.replace(args, env_id=env_id or args.env_id, eval_greedy=False)
+    env, env_params = script.envs.make_env(args.env_id, param_values=args.env_params)
+    policy = script.make_evaluation(script.make_network(args, env.action_space(env_params).n), env, env_params, args)
+    states = script.TrainState(**dict.fromkeys(script.TrainState._fields))._replace(params=params)
+    agent = lambda eval_state: eval_state.env.env_state.state.agent  # noqa: E731  (the adapter's xminigrid state)
+
+    def play(state, key):
+        start = script.evaluation.start_evaluation(key, policy, episodes)
+
+        def step(carry):
+            eval_state, seen = carry
+            seen = seen | (cue_in_view_of(agent(eval_state)) & ~eval_state.finished)
+            return policy.step(state, eval_state), seen
+
+        unfinished = lambda carry: ~jnp.all(carry[0].finished) & (carry[0].num_steps < env_params.max_steps)  # noqa: E731
+        end, seen = jax.lax.while_loop(unfinished, step, (start, jnp.zeros(episodes, bool)))
+        return agent(start).position[:, 1], end.env.episode_return > 0, end.env.episode_length, seen, end.finished
+
+    keys = jax.random.split(jax.random.key(0), args.num_seeds)
+    columns, won, length, seen, finished = map(np.asarray, jax.jit(jax.vmap(play))(states, keys))
+    print(f"{run_dir} on {args.env_id}: {episodes} episodes per seed, sampled actions")
+    for index in range(args.num_seeds):
+        by_column = "  ".join(f"col {c}: {won[index][columns[index] == c].mean():.2f}" for c in np.unique(columns[index]))
+        walked = columns[index] >= 2
+        print(f"  seed {args.seed + index}: success {won[index].mean():.3f} (from column 2+: {won[index][walked].mean():.2f}) | "
+              f"{by_column} | cue ever in view {seen[index].mean():.2f} (from column 2+: {seen[index][walked].mean():.2f}) | "
+              f"length {length[index].mean():.1f} | unfinished {(~finished[index]).sum()}")
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description="Success by start column of a run's final policies on MemoryS8 or a variant.")
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--env-id", help="play on this env instead of the run's, e.g. MiniGrid-MemoryS8")
+    parser.add_argument("--episodes", type=int, default=2000)
+    options = parser.parse_args()
+    by_start_column(options.run_dir, options.env_id, options.episodes)
