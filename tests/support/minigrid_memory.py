@@ -233,8 +233,9 @@ def by_start_column(run_dir: Path, env_id: str | None, episodes: int) -> None:
     for index in range(args.num_seeds):
         by_column = "  ".join(f"col {c}: {won[index][columns[index] == c].mean():.2f}" for c in np.unique(columns[index]))
         walked = columns[index] >= 2
-        print(f"  seed {args.seed + index}: success {won[index].mean():.3f} (from column 2+: {won[index][walked].mean():.2f}) | "
-              f"{by_column} | cue ever in view {seen[index].mean():.2f} (from column 2+: {seen[index][walked].mean():.2f}) | "
+        from_east = lambda values: f" (from column 2+: {values[walked].mean():.2f})" if walked.any() else ""  # noqa: E731
+        print(f"  seed {args.seed + index}: success {won[index].mean():.3f}{from_east(won[index])} | {by_column} | "
+              f"cue ever in view {seen[index].mean():.2f}{from_east(seen[index])} | "
               f"length {length[index].mean():.1f} | unfinished {(~finished[index]).sum()}")
 
 
