@@ -122,24 +122,29 @@ def with_start_up_to(state, key, last_column: int):
     return state.replace(agent=state.agent.replace(position=jnp.array(START_IN_VIEW_OF_THE_CUE).at[1].set(column)))
 
 
-class FixedLayoutStartsTo2(FixedLayout):
+class StartsUpTo:
+    """Mixed in before a variant: its agent starts at a column drawn from 1 to last_column."""
+
+    last_column: int
+
     def _generate_problem(self, params, key):
-        return with_start_up_to(super()._generate_problem(params, key), key, 2)
+        return with_start_up_to(super()._generate_problem(params, key), key, self.last_column)
 
 
-class FixedLayoutStartsTo3(FixedLayout):
-    def _generate_problem(self, params, key):
-        return with_start_up_to(super()._generate_problem(params, key), key, 3)
+class FixedLayoutStartsTo2(StartsUpTo, FixedLayout):
+    last_column = 2
 
 
-class HalfFixedLayoutStartsTo2(HalfFixedLayout):
-    def _generate_problem(self, params, key):
-        return with_start_up_to(super()._generate_problem(params, key), key, 2)
+class FixedLayoutStartsTo3(StartsUpTo, FixedLayout):
+    last_column = 3
 
 
-class HalfFixedLayoutStartsTo3(HalfFixedLayout):
-    def _generate_problem(self, params, key):
-        return with_start_up_to(super()._generate_problem(params, key), key, 3)
+class HalfFixedLayoutStartsTo2(StartsUpTo, HalfFixedLayout):
+    last_column = 2
+
+
+class HalfFixedLayoutStartsTo3(StartsUpTo, HalfFixedLayout):
+    last_column = 3
 
 
 class HalfFixedLayoutAnyStart(Memory):
